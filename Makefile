@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv if needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+OUT := out
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	mkdir -p $(OUT)
+	$(BIN)/actdesign list
+	$(BIN)/actdesign fit gelu --bits 3 --out $(OUT)/gelu3.json
+	$(BIN)/actdesign fit "x*sigmoid(1.702*x)" --bits 2 --weight uniform --domain -6 6 --out $(OUT)/quick2.json
+	$(BIN)/actdesign show $(OUT)/gelu3.json --plot $(OUT)/gelu3.png
+	$(BIN)/python examples/fit_tables.py
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/designer.py
+
+clean:
+	rm -rf $(VENV) $(OUT) build *.egg-info

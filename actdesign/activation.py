@@ -1,0 +1,129 @@
+"""Activations: one definition (a formula in the expression language), every backend.
+
+A built-in is a registry entry whose formula is parsed like any user expression, so f, f' and
+f'' for numpy come from the same sympy tree that later stages print for torch and Triton.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import sympy as sp
+
+from . import expr as _expr
+from .errors import ActdesignError
+
+
+@dataclass(frozen=True)
+class Builtin:
+    name: str
+    formula: str
+    summary: str
+    aliases: tuple[str, ...] = ()
+
+
+# Formulas follow torch.nn's defaults (leaky_relu slope 0.01, elu/celu alpha 1, selu's
+# constants, hardtanh on [-1, 1]).
+BUILTINS: tuple[Builtin, ...] = (
+    Builtin("relu", "max(x, 0)", "rectified linear unit"),
+    Builtin("leaky_relu", "where(x >= 0, x, 0.01*x)", "leaky ReLU, negative slope 0.01"),
+    Builtin("relu6", "clip(x, 0, 6)", "ReLU capped at 6"),
+    Builtin("elu", "where(x > 0, x, exp(x) - 1)", "exponential linear unit, alpha 1"),
+    Builtin("celu", "where(x > 0, x, exp(x/1.0) - 1)", "continuously differentiable ELU, alpha 1"),
+    Builtin("selu",
+            "1.0507009873554804934193349852946*where(x > 0, x, "
+            "1.6732632423543772848170429916717*(exp(x) - 1))",
+            "scaled ELU"),
+    Builtin("gelu", "0.5*x*(1 + erf(x/sqrt(2)))", "Gaussian error linear unit (erf form)",
+            ("gelu_erf",)),
+    Builtin("gelu_tanh", "0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x**3)))",
+            "GELU, tanh approximation", ("gelu_new", "gelu_pytorch_tanh")),
+    Builtin("quick_gelu", "x*sigmoid(1.702*x)", "GELU, sigmoid approximation"),
+    Builtin("silu", "x*sigmoid(x)", "sigmoid linear unit", ("swish",)),
+    Builtin("mish", "x*tanh(softplus(x))", "Mish"),
+    Builtin("sigmoid", "sigmoid(x)", "logistic sigmoid"),
+    Builtin("tanh", "tanh(x)", "hyperbolic tangent"),
+    Builtin("softplus", "softplus(x)", "log(1 + exp(x))"),
+    Builtin("softsign", "x/(1 + abs(x))", "softsign"),
+    Builtin("logsigmoid", "-softplus(-x)", "log(sigmoid(x))"),
+    Builtin("tanhshrink", "x - tanh(x)", "x - tanh(x)"),
+    Builtin("hardswish", "x*clip(x + 3, 0, 6)/6", "hard swish"),
+    Builtin("hardsigmoid", "clip(x + 3, 0, 6)/6", "hard sigmoid"),
+    Builtin("hardtanh", "clip(x, -1, 1)", "hard tanh on [-1, 1]"),
+    Builtin("squared_relu", "max(x, 0)**2", "squared ReLU", ("relu2",)),
+)
+_BY_NAME = {b.name: b for b in BUILTINS} | {a: b for b in BUILTINS for a in b.aliases}
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A pointwise activation: its formula, sympy tree and numpy callables for f, f', f''."""
+
+    formula: str
+    name: str | None = None  # the built-in's canonical name, None for an expression
+    f_expr: sp.Expr = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.f_expr is None:
+            object.__setattr__(self, "f_expr", _expr.parse(self.formula))
+
+    @property
+    def label(self) -> str:
+        return self.name or self.formula
+
+    @cached_property
+    def df_expr(self) -> sp.Expr:
+        return sp.diff(self.f_expr, _expr.X)
+
+    @cached_property
+    def d2f_expr(self) -> sp.Expr:
+        return sp.diff(self.df_expr, _expr.X)
+
+    @cached_property
+    def f(self):
+        return _expr.numpy_function(self.f_expr)
+
+    @cached_property
+    def df(self):
+        return _expr.numpy_function(self.df_expr)
+
+    @cached_property
+    def d2f(self):
+        return _expr.numpy_function(self.d2f_expr)
+
+    def breakpoints(self, lo: float, hi: float) -> np.ndarray:
+        """Where f' may jump or kink inside [lo, hi]."""
+        return _expr.breakpoints(self.df_expr, lo, hi)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name} if self.name else {"expr": self.formula}
+
+
+def builtin_names() -> list[str]:
+    return [b.name for b in BUILTINS]
+
+
+def resolve(text: str) -> Activation:
+    """A built-in name (or alias), or else an expression in x."""
+    text = text.strip()
+    if text in _BY_NAME:
+        b = _BY_NAME[text]
+        return Activation(b.formula, b.name)
+    if _IDENTIFIER.fullmatch(text) and text != "x":
+        raise ActdesignError(
+            f"unknown activation {text!r}; run 'actdesign list' for built-ins, "
+            "or give an expression in x such as 'x*sigmoid(1.702*x)'")
+    return Activation(text)
+
+
+def from_dict(d: dict) -> Activation:
+    """The activation of a spec: {"name": builtin} or {"expr": text}."""
+    if "name" in d:
+        if d["name"] not in _BY_NAME:
+            raise ActdesignError(f"unknown activation {d['name']!r}")
+        return resolve(d["name"])
+    return Activation(d["expr"])

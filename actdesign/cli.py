@@ -1,0 +1,135 @@
+"""The `actdesign` command. Commands parse, call the library and print; nothing more.
+
+Errors a user can cause print one line on stderr and exit with code 2, without a traceback.
+torch and triton are never imported by `list`, `fit` or `show`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .errors import ActdesignError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="actdesign")
+def cli():
+    """Design, generate and run memory-efficient backward passes for PyTorch training."""
+
+
+@cli.command("list")
+def list_cmd():
+    """Every built-in activation, one line each."""
+    from .activation import BUILTINS
+
+    for b in BUILTINS:
+        aliases = f"; alias {', '.join(b.aliases)}" if b.aliases else ""
+        click.echo(f"{b.name:<13} {b.formula}  ({b.summary}{aliases})")
+
+
+def _weight(spec: str, mean: float | None, std: float | None, domain):
+    from actdesign.designer.weights import Normal, Uniform, load_empirical
+
+    kind, _, arg = spec.partition(":")
+    if kind != "normal" and (mean is not None or std is not None):
+        raise ActdesignError("--mean and --std apply to --weight normal only")
+    if kind != "uniform" and domain is not None:
+        raise ActdesignError("--domain applies to --weight uniform only")
+    if kind == "normal" and not arg:
+        return Normal(0.0 if mean is None else mean, 1.0 if std is None else std)
+    if kind == "uniform" and not arg:
+        if domain is None:
+            raise ActdesignError("--weight uniform needs --domain L R")
+        return Uniform(*domain)
+    if kind == "empirical" and arg:
+        return load_empirical(arg)
+    raise ActdesignError(f"unknown --weight {spec!r}; use normal, uniform or empirical:FILE")
+
+
+@cli.command()
+@click.argument("activation")
+@click.option("--bits", "-b", type=click.IntRange(1, 8), required=True,
+              help="Bits per element: the table has 2^bits levels.")
+@click.option("--kind", type=click.Choice(["stepwise"]), default="stepwise", show_default=True,
+              help="What to fit: an optimal step function for f'.")
+@click.option("--weight", "-w", default="normal", show_default=True,
+              help="Input distribution: normal, uniform (with --domain) or empirical:FILE "
+                   "(.npy of recorded values, or .npz with 'edges' and 'counts').")
+@click.option("--mean", type=float, help="Mean of the normal weight [0].")
+@click.option("--std", type=float, help="Standard deviation of the normal weight [1].")
+@click.option("--domain", type=(float, float), metavar="L R", help="Uniform weight on [L, R].")
+@click.option("--grid", type=int, help="Candidate-grid cells for the exact stage "
+                                       "[max(2048, 16 * 2^bits)].")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), help="Write the spec here.")
+def fit(activation, bits, kind, weight, mean, std, domain, grid, out):
+    """Fit an optimal few-bit derivative table for ACTIVATION.
+
+    ACTIVATION is a built-in name (see 'actdesign list') or an expression in x, such as
+    "x*sigmoid(1.702*x)".
+    """
+    from . import spec as spec_mod
+    from .activation import resolve
+    from .designer import fit_stepwise
+    from .files import check_writable
+    from .report import describe
+
+    act = resolve(activation)
+    w = _weight(weight, mean, std, domain)
+    if out:
+        check_writable(out)
+    long_fit = bits >= 6 or (grid or 0) > 8192
+    if long_fit and sys.stderr.isatty():
+        with click.progressbar(length=2**bits - 1, label="optimal grid partition",
+                               file=sys.stderr) as bar:
+            result = fit_stepwise(act, bits, w, grid, lambda done, total: bar.update(1))
+    else:
+        result = fit_stepwise(act, bits, w, grid)
+    spec = spec_mod.from_fit(result)
+    if out:
+        spec_mod.save(spec, out)
+    click.echo(describe(spec, out))
+    if out:
+        click.echo(f"\nwrote {out}")
+
+
+@cli.command()
+@click.argument("spec_file", metavar="SPEC", type=click.Path(dir_okay=False))
+@click.option("--plot", type=click.Path(dir_okay=False), metavar="PNG",
+              help="Also draw f', the table and the error into this PNG file.")
+def show(spec_file, plot):
+    """Print a spec's borders, levels and error as a readable table."""
+    from . import report
+    from .spec import load
+
+    spec = load(spec_file)
+    if plot:
+        from .files import check_writable
+
+        check_writable(plot)
+    click.echo(report.describe(spec, spec_file))
+    if plot:
+        report.plot(spec, plot)
+        click.echo(f"\nwrote {plot}")
+
+
+def main(argv=None) -> None:
+    """Entry point: one-line errors with exit code 2, never a traceback for user mistakes."""
+    try:
+        code = cli.main(args=argv, prog_name="actdesign", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("actdesign: aborted", err=True)
+        sys.exit(1)
+    except (click.ClickException, ActdesignError) as exc:
+        message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        click.echo(f"actdesign: error: {' '.join(message.split())}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("actdesign: interrupted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

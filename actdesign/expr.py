@@ -1,0 +1,330 @@
+"""The safe expression language for activations: text -> sympy expression in `x`.
+
+The text is parsed with `ast` and every node is checked against a whitelist; nothing is ever
+passed to `eval`. The result is a sympy expression, from which each backend is printed:
+numpy here (`numpy_function`), torch and Triton in later stages.
+
+Grammar: the variable `x`, numbers, the constants `pi` and `e`, the operators `+ - * / **`,
+comparisons inside `where`, and the functions in `FUNCTIONS`.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from functools import lru_cache
+
+import numpy as np
+import sympy as sp
+
+from .errors import ActdesignError
+
+X = sp.Symbol("x", real=True)
+
+MAX_LENGTH = 2000  # characters
+MAX_NODES = 400  # AST nodes: keeps sympy's work bounded
+MAX_EXPONENT = 64  # |p| in x**p for a numeric p
+
+
+class sigmoid(sp.Function):  # noqa: N801  (printed as a function name)
+    """The logistic function 1/(1+exp(-a)), kept as one symbol for stable numerics."""
+
+    def fdiff(self, argindex=1):
+        s = sigmoid(self.args[0])
+        return s * (1 - s)
+
+
+class softplus(sp.Function):  # noqa: N801
+    """log(1+exp(a)), kept as one symbol for stable numerics."""
+
+    def fdiff(self, argindex=1):
+        return sigmoid(self.args[0])
+
+
+def _piecewise_max(a, b):
+    return sp.Piecewise((a, a >= b), (b, True))
+
+
+def _piecewise_min(a, b):
+    return sp.Piecewise((a, a <= b), (b, True))
+
+
+def _clip(a, lo, hi):
+    if not (lo.is_number and hi.is_number):
+        raise ActdesignError("clip(a, lo, hi) needs numeric lo and hi")
+    if float(lo) >= float(hi):
+        raise ActdesignError("clip(a, lo, hi) needs lo < hi")
+    return sp.Piecewise((lo, a < lo), (hi, a > hi), (a, True))
+
+
+# name -> (number of arguments, builder). Piecewise-linear helpers become sympy Piecewise, so
+# their derivatives and breakpoints are explicit.
+FUNCTIONS = {
+    "exp": (1, sp.exp),
+    "log": (1, sp.log),
+    "log1p": (1, lambda a: sp.log(1 + a)),
+    "expm1": (1, lambda a: sp.exp(a) - 1),
+    "sqrt": (1, sp.sqrt),
+    "abs": (1, lambda a: sp.Piecewise((a, a >= 0), (-a, True))),
+    "tanh": (1, sp.tanh),
+    "sinh": (1, sp.sinh),
+    "cosh": (1, sp.cosh),
+    "sin": (1, sp.sin),
+    "cos": (1, sp.cos),
+    "atan": (1, sp.atan),
+    "erf": (1, sp.erf),
+    "erfc": (1, sp.erfc),
+    "sigmoid": (1, sigmoid),
+    "softplus": (1, softplus),
+    "relu": (1, lambda a: _piecewise_max(a, sp.Integer(0))),
+    "max": (2, _piecewise_max),
+    "min": (2, _piecewise_min),
+    "clip": (3, _clip),
+    "where": (3, lambda c, a, b: sp.Piecewise((a, c), (b, True))),
+}
+CONSTANTS = {"pi": sp.pi, "e": sp.E}
+_BINOPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+    ast.Pow: None,  # handled separately: bounded exponents
+}
+_COMPARE = {
+    ast.Lt: sp.StrictLessThan,
+    ast.LtE: sp.LessThan,
+    ast.Gt: sp.StrictGreaterThan,
+    ast.GtE: sp.GreaterThan,
+}
+
+
+class _Builder:
+    def __init__(self, text: str):
+        self.text = text
+
+    def fail(self, node: ast.AST | None, why: str) -> ActdesignError:
+        where = f" at column {node.col_offset + 1}" if node is not None and hasattr(
+            node, "col_offset") else ""
+        return ActdesignError(f"invalid expression {self.text!r}{where}: {why}")
+
+    def build(self, node: ast.AST, *, condition: bool = False):
+        method = getattr(self, "_" + type(node).__name__, None)
+        if method is None:
+            raise self.fail(node, f"{_describe(node)} is not allowed")
+        result = method(node)
+        if _is_condition(result) and not condition:
+            raise self.fail(node, "a comparison is only allowed as the condition of where()")
+        return result
+
+    def _Constant(self, node):
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(node, f"the literal {value!r} is not a number")
+        if not math.isfinite(value):
+            raise self.fail(node, "numbers must be finite")
+        if isinstance(value, int):
+            if abs(value) > 2**53:
+                raise self.fail(node, "integer literal too large")
+            return sp.Integer(value)
+        return sp.Float(repr(value), 17)
+
+    def _Name(self, node):
+        if node.id == "x":
+            return X
+        if node.id in CONSTANTS:
+            return CONSTANTS[node.id]
+        if node.id in FUNCTIONS:
+            raise self.fail(node, f"{node.id} is a function; call it as {node.id}(...)")
+        raise self.fail(node, f"unknown name {node.id!r}; the variable is x")
+
+    def _UnaryOp(self, node):
+        operand = self.build(node.operand)
+        if isinstance(node.op, ast.USub):
+            return -operand
+        if isinstance(node.op, ast.UAdd):
+            return operand
+        raise self.fail(node, f"the operator {type(node.op).__name__} is not allowed")
+
+    def _BinOp(self, node):
+        if type(node.op) not in _BINOPS:
+            raise self.fail(node, f"the operator {type(node.op).__name__} is not allowed")
+        a, b = self.build(node.left), self.build(node.right)
+        if isinstance(node.op, ast.Pow):
+            return self._power(node, a, b)
+        return _BINOPS[type(node.op)](a, b)
+
+    def _power(self, node, base, exponent):
+        if base.is_number and exponent.is_number:
+            # Fold numerically: exact integer towers such as 9**9**9 would never finish.
+            try:
+                value = float(base) ** float(exponent)
+            except (OverflowError, ZeroDivisionError, TypeError) as exc:
+                raise self.fail(node, "power of numbers is out of range") from exc
+            if not isinstance(value, float) or not math.isfinite(value):
+                raise self.fail(node, "power of numbers is out of range")
+            return sp.Float(value, 17)
+        if exponent.is_number and abs(float(exponent)) > MAX_EXPONENT:
+            raise self.fail(node, f"exponents are limited to |p| <= {MAX_EXPONENT}")
+        return base**exponent
+
+    def _Compare(self, node):
+        if len(node.ops) != 1:
+            raise self.fail(node, "chained comparisons are not allowed; use and/or")
+        op = type(node.ops[0])
+        if op not in _COMPARE:
+            raise self.fail(node, "only < <= > >= comparisons are allowed")
+        return _COMPARE[op](self.build(node.left), self.build(node.comparators[0]))
+
+    def _BoolOp(self, node):
+        parts = [self.build(v, condition=True) for v in node.values]
+        return sp.And(*parts) if isinstance(node.op, ast.And) else sp.Or(*parts)
+
+    def _Call(self, node):
+        if not isinstance(node.func, ast.Name):
+            raise self.fail(node, "only plain function names may be called")
+        name = node.func.id
+        if name not in FUNCTIONS:
+            allowed = ", ".join(sorted(FUNCTIONS))
+            raise self.fail(node, f"function {name!r} is not allowed; allowed: {allowed}")
+        if node.keywords:
+            raise self.fail(node, f"{name}() takes no keyword arguments")
+        arity, builder = FUNCTIONS[name]
+        if len(node.args) != arity:
+            raise self.fail(node, f"{name}() takes {arity} argument(s), got {len(node.args)}")
+        args = [self.build(a, condition=(name == "where" and i == 0))
+                for i, a in enumerate(node.args)]
+        if name == "where" and not _is_condition(args[0]):
+            raise self.fail(node, "the first argument of where() must be a comparison")
+        try:
+            return builder(*args)
+        except ActdesignError as exc:
+            raise self.fail(node, str(exc)) from None
+
+
+def _is_condition(value) -> bool:
+    return isinstance(value, sp.core.relational.Relational | sp.logic.boolalg.BooleanFunction)
+
+
+def _describe(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return "attribute access"
+    if isinstance(node, ast.Subscript):
+        return "subscripting"
+    return f"the syntax {type(node).__name__}"
+
+
+@lru_cache(maxsize=256)
+def parse(text: str) -> sp.Expr:
+    """Parse an activation expression in `x` into a sympy expression, or raise ActdesignError."""
+    if not isinstance(text, str):
+        raise ActdesignError("an expression must be a string")
+    if len(text) > MAX_LENGTH:
+        raise ActdesignError(f"expression longer than {MAX_LENGTH} characters")
+    if "__" in text:
+        raise ActdesignError(f"invalid expression {text!r}: names with '__' are not allowed")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ActdesignError(
+            f"invalid expression {text!r}: syntax error at column {exc.offset or 0}") from None
+    if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
+        raise ActdesignError(f"expression too large (more than {MAX_NODES} syntax nodes)")
+    expr = _Builder(text).build(tree.body)
+    if expr.has(sp.oo, -sp.oo, sp.zoo, sp.nan):
+        raise ActdesignError(f"invalid expression {text!r}: it contains an infinite constant")
+    if not expr.has(X):
+        raise ActdesignError(f"invalid expression {text!r}: it does not depend on x")
+    return expr
+
+
+# --- numpy backend -------------------------------------------------------------------------
+
+def _np_sigmoid(a):
+    a = np.asarray(a, dtype=float)
+    e = np.exp(-np.abs(a))
+    return np.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _np_softplus(a):
+    a = np.asarray(a, dtype=float)
+    return np.maximum(a, 0.0) + np.log1p(np.exp(-np.abs(a)))
+
+
+def _np_special():
+    import scipy.special
+
+    return {"sigmoid": _np_sigmoid, "softplus": _np_softplus,
+            "erf": scipy.special.erf, "erfc": scipy.special.erfc}
+
+
+def numpy_function(expr: sp.Expr):
+    """A vectorised float64 numpy function of x for a sympy expression from `parse`.
+
+    The printed code comes from the validated sympy tree, never from user text. Branches of
+    where() are all evaluated, so floating-point warnings are silenced; results are exact for
+    the chosen branch.
+    """
+    fn = sp.lambdify(X, expr, modules=[_np_special(), "numpy"])
+
+    def evaluate(x):
+        x = np.asarray(x, dtype=float)
+        with np.errstate(all="ignore"):
+            out = np.asarray(fn(x), dtype=float)
+        return np.broadcast_to(out, x.shape).copy() if out.shape != x.shape else out
+
+    return evaluate
+
+
+def breakpoints(expr: sp.Expr, lo: float, hi: float) -> np.ndarray:
+    """Points in [lo, hi] where a branch condition of `expr` switches, sorted and unique.
+
+    These are where an activation's derivative may jump or kink. Linear and polynomial
+    conditions are solved exactly; others are located by a sign scan and bisection.
+    """
+    points: list[float] = []
+    for pw in expr.atoms(sp.Piecewise):
+        for _, cond in pw.args:
+            for rel in _relationals(cond):
+                points.extend(_roots(rel.lhs - rel.rhs, lo, hi))
+    pts = np.unique(np.asarray([p for p in points if lo <= p <= hi], dtype=float))
+    return pts
+
+
+def _relationals(cond):
+    if isinstance(cond, sp.core.relational.Relational):
+        return [cond]
+    if isinstance(cond, sp.logic.boolalg.BooleanFunction):
+        return [r for arg in cond.args for r in _relationals(arg)]
+    return []
+
+
+def _roots(expr: sp.Expr, lo: float, hi: float) -> list[float]:
+    if not expr.has(X):
+        return []
+    if expr.is_polynomial(X):
+        coeffs = [float(c) for c in sp.Poly(expr, X).all_coeffs()]
+        if len(coeffs) == 2:
+            return [-coeffs[1] / coeffs[0] + 0.0]  # + 0.0 turns -0.0 into 0.0
+        return [r.real for r in np.roots(coeffs) if abs(r.imag) <= 1e-12 * (1 + abs(r))]
+    fn = numpy_function(expr)
+    xs = np.linspace(lo, hi, 20001)
+    ys = fn(xs)
+    roots = list(xs[ys == 0])
+    for k in np.nonzero(np.sign(ys[:-1]) * np.sign(ys[1:]) < 0)[0]:
+        roots.append(_bisect(fn, xs[k], xs[k + 1], ys[k]))
+    return roots
+
+
+def _bisect(fn, a: float, b: float, fa: float) -> float:
+    for _ in range(200):
+        m = 0.5 * (a + b)
+        if m in (a, b):
+            break
+        fm = fn(np.array([m]))[0]
+        if fm == 0:
+            return m
+        if np.sign(fm) == np.sign(fa):
+            a, fa = m, fm
+        else:
+            b = m
+    return 0.5 * (a + b)

@@ -1,0 +1,44 @@
+"""Writing files so that a reader never sees a partial one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import ActdesignError
+
+
+def check_writable(path: str | Path) -> Path:
+    """Fail early, before any long computation, if `path` cannot be written."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ActdesignError(f"cannot write {str(path)!r}: it is a directory")
+    if not parent.is_dir():
+        raise ActdesignError(f"cannot write {str(path)!r}: directory {str(parent)!r} "
+                             "does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ActdesignError(f"cannot write {str(path)!r}: permission denied")
+    return path
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write to a temporary file in the same directory, then rename it over `path`."""
+    path = check_writable(path)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise ActdesignError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

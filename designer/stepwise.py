@@ -1,0 +1,273 @@
+"""Optimal few-bit derivative tables: min ∫ (f'(x) - q(x))² w(x) dx over step functions q.
+
+Two stages:
+1. the exact global optimum over a grid of candidate borders (`partition.optimal_partition`);
+2. continuous refinement from there to the stationarity conditions, by Newton's method:
+   each border t_i has f'(t_i) = (y_i + y_{i+1}) / 2 and each level y_i is its interval's
+   weighted mean. A border that sits on a jump of f' is stationary when the jump brackets
+   the mean of its two levels.
+The reported error is an adaptive quadrature of the final table, not the grid sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actdesign.activation import Activation
+from actdesign.errors import ActdesignError
+
+from .partition import optimal_partition
+from .quadrature import adaptive_integral, interval_moments
+from .weights import Normal
+
+MAX_BITS = 8
+_EPS = np.finfo(float).eps
+
+
+def default_grid(bits: int) -> int:
+    """Candidate-grid cells: fine enough that refinement starts in the global optimum's basin
+    (at least 16 cells per level), and never under 2048."""
+    return max(2048, 16 * 2**bits)
+
+
+@dataclass(frozen=True, eq=False)
+class StepwiseFit:
+    """A fitted table and how good it is."""
+
+    activation: Activation
+    weight: object
+    bits: int
+    borders: np.ndarray  # 2**bits - 1, strictly ascending
+    levels: np.ndarray  # 2**bits
+    error: float  # E = ∫ (f' - q)² w, adaptive quadrature
+    error_estimate: float  # the quadrature's own error bound on E
+    reference: float  # ∫ f'² w, so error / reference is the relative error
+    grid_error: float  # E of the grid optimum (stage 1), same quadrature
+    grid_size: int  # cells in the stage-1 grid
+    stationarity: float  # max |f'(t_i) - (y_i + y_{i+1})/2| over borders where it applies
+    iterations: int  # Newton iterations in stage 2
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def relative_error(self) -> float:
+        return self.error / self.reference if self.reference > 0 else 0.0
+
+
+class Problem:
+    """f' of an activation under a weight, with the split points quadrature must respect."""
+
+    def __init__(self, activation: Activation, weight):
+        self.activation = activation
+        self.weight = weight
+        self.g = activation.df
+        self.dg = activation.d2f
+        self.pdf = weight.pdf
+        a, b = weight.integration_range
+        self.range = (float(a), float(b))
+        self.jumps = activation.breakpoints(a, b)
+        self.splits = np.union1d(self.jumps, weight.breakpoints)
+        lo, hi = weight.candidate_range
+        # Tails outside the candidate range get a coarse mesh of their own.
+        tails = [np.linspace(a, lo, 33), np.linspace(hi, b, 33)] if (a < lo or hi < b) else []
+        self.mesh = np.union1d(self.splits, np.concatenate(tails) if tails else [])
+
+    def grid(self, cells: int) -> np.ndarray:
+        """Candidate borders: a uniform grid over the candidate range, mirror-symmetric about
+        its centre, with every jump of f' inserted exactly."""
+        lo, hi = self.weight.candidate_range
+        c, h = 0.5 * (lo + hi), 0.5 * (hi - lo)
+        half = np.arange(cells // 2 + 1) * (2.0 / cells)
+        unit = np.concatenate([-half[::-1], half[1:]])
+        if cells % 2:
+            unit = np.linspace(-1.0, 1.0, cells + 1)
+        pts = c + h * unit
+        step = 2 * h / cells
+        jumps = self.jumps[(self.jumps > lo) & (self.jumps < hi)]
+        if jumps.size:
+            near = np.abs(pts[:, None] - jumps[None, :]).min(axis=1) < 1e-6 * step
+            pts = np.union1d(pts[~near], jumps)
+        a, b = self.range
+        return pts[(pts > a) & (pts < b)]
+
+    def moments(self, borders, mesh=None, shift=0.0):
+        cuts = np.concatenate([[self.range[0]], borders, [self.range[1]]])
+        return interval_moments(self.g, self.pdf, cuts,
+                                self.mesh if mesh is None else mesh, shift)
+
+    def levels(self, borders):
+        W, F, _ = self.moments(borders)
+        return self._means(borders, W, F)
+
+    def _means(self, borders, W, F):
+        """Weighted means; an interval without weight takes f' at its midpoint."""
+        cuts = np.concatenate([[self.range[0]], borders, [self.range[1]]])
+        mid = self.g(0.5 * (cuts[:-1] + cuts[1:]))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(W > 0, F / np.where(W > 0, W, 1.0), np.nan_to_num(mid))
+
+    def error(self, borders, levels):
+        """(E, error estimate) by adaptive quadrature of (f' - q)² w."""
+        borders = np.asarray(borders, dtype=float)
+        levels = np.asarray(levels, dtype=float)
+
+        def integrand(x):
+            q = levels[np.searchsorted(borders, x, side="right")]
+            w = self.pdf(x)
+            return np.where(w > 0, (self.g(x) - q) ** 2 * w, 0.0)
+
+        return adaptive_integral(integrand, self._breaks(borders), atol=1e-300)
+
+    def reference(self):
+        def integrand(x):
+            w = self.pdf(x)
+            return np.where(w > 0, self.g(x) ** 2 * w, 0.0)
+
+        return adaptive_integral(integrand, self._breaks(np.empty(0)), atol=1e-300)[0]
+
+    def _breaks(self, borders):
+        a, b = self.range
+        pts = np.union1d(np.union1d(self.mesh, borders), np.linspace(a, b, 65))
+        return pts[(pts >= a) & (pts <= b)]
+
+
+def fit_stepwise(activation: Activation, bits: int, weight=None, grid: int | None = None,
+                 progress=None) -> StepwiseFit:
+    """The optimal b-bit step function for f' under `weight` (default N(0, 1))."""
+    if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or \
+            not 1 <= bits <= MAX_BITS:
+        raise ActdesignError(f"bits must be an integer in 1..{MAX_BITS}, got {bits!r}")
+    weight = Normal() if weight is None else weight
+    levels_count = 2**int(bits)
+    cells = default_grid(bits) if grid is None else grid
+    if isinstance(cells, bool) or not isinstance(cells, int | np.integer) or \
+            not 2 * levels_count <= cells <= 2**16:
+        raise ActdesignError(f"grid must be an integer in {2 * levels_count}..65536 for "
+                             f"{bits} bits, got {grid!r}")
+    problem = Problem(activation, weight)
+
+    # Stage 1: exact optimum over the grid.
+    candidates = problem.grid(int(cells))
+    cuts = np.concatenate([[problem.range[0]], candidates, [problem.range[1]]])
+    W0, _, _ = problem.moments(candidates, mesh=np.union1d(problem.mesh, cuts))
+    shift = float(np.dot(W0, problem.g(0.5 * (cuts[:-1] + cuts[1:])))) / max(W0.sum(), 1e-300)
+    W, F, S = problem.moments(candidates, mesh=np.union1d(problem.mesh, cuts), shift=shift)
+    prefix = [np.concatenate([[0.0], np.cumsum(m)]) for m in (W, F, S)]
+    index, _ = optimal_partition(*prefix, levels_count, progress)
+    grid_borders = cuts[index[1:-1]]
+    grid_levels = problem.levels(grid_borders)
+    grid_error, grid_err_est = problem.error(grid_borders, grid_levels)
+
+    # Stage 2: Newton refinement to the stationarity conditions.
+    borders, iterations, stationarity = refine(problem, grid_borders)
+    levels = problem.levels(borders)
+    error, err_est = problem.error(borders, levels)
+    if not error <= grid_error:  # refinement never makes things worse
+        borders, levels, error, err_est = grid_borders, grid_levels, grid_error, grid_err_est
+        stationarity = float(np.max(np.abs(residuals(problem, borders)[0]), initial=0.0))
+    return StepwiseFit(activation, weight, int(bits), borders, levels, error, err_est,
+                       problem.reference(), grid_error, int(cuts.size - 1), stationarity,
+                       iterations)
+
+
+def residuals(problem: Problem, t: np.ndarray):
+    """r_i = f'(t_i) - (y_i + y_{i+1})/2, zeroed where stationarity holds trivially: borders
+    in zero weight, and borders on a jump of f' that brackets the mean of their levels."""
+    W, F, _ = problem.moments(t)
+    y = problem._means(t, W, F)
+    gt = problem.g(t)
+    mid = 0.5 * (y[:-1] + y[1:])
+    r = gt - mid
+    wt = problem.pdf(t)
+    active = (wt > 0) & (W[:-1] > 0) & (W[1:] > 0)
+    on_jump = np.isin(t, problem.jumps)
+    if on_jump.any():
+        tj = t[on_jump]
+        delta = 8 * _EPS * np.maximum(1.0, np.abs(tj))
+        left, right = problem.g(tj - delta) - mid[on_jump], problem.g(tj + delta) - mid[on_jump]
+        bracketed = left * right <= 0
+        idx = np.nonzero(on_jump)[0][bracketed]
+        active[idx] = False
+    r = np.where(active, r, 0.0)
+    return r, active, y, W, wt, gt
+
+
+def refine(problem: Problem, borders: np.ndarray, max_iter: int = 100):
+    """Newton's method on the stationarity residuals, with backtracking on max |r|.
+
+    Steps keep the borders strictly ascending and stop on a jump of f' rather than cross it.
+    Returns (borders, iterations, final max |r|).
+    """
+    t = np.asarray(borders, dtype=float).copy()
+    if t.size == 0:
+        return t, 0, 0.0
+    g_scale = float(np.max(np.abs(problem.g(problem.grid(256)))))
+    tol = 64 * _EPS * max(g_scale, 1e-300)
+    state = residuals(problem, t)
+    merit = float(np.max(np.abs(state[0])))
+    iterations = 0
+    lo, hi = problem.range
+    for iterations in range(1, max_iter + 1):
+        if merit <= tol:
+            break
+        step = _newton_step(problem, t, state, tol)
+        if step is None:
+            break
+        accepted = False
+        for alpha in 0.5 ** np.arange(40):
+            cand = _move(t, alpha * step, problem.jumps)
+            if not (np.all(np.diff(cand) > 0) and cand[0] > lo and cand[-1] < hi):
+                continue
+            cand_state = residuals(problem, cand)
+            cand_merit = float(np.max(np.abs(cand_state[0])))
+            if cand_merit < merit:
+                stalled = cand_merit > 0.5 * merit and merit < 1e3 * tol  # at rounding level
+                t, state, merit, accepted = cand, cand_state, cand_merit, True
+                break
+        if not accepted or stalled:
+            break
+    return t, iterations, merit
+
+
+def _newton_step(problem, t, state, tol):
+    r, active, y, W, wt, gt = state
+    m = t.size
+    free = active & (np.abs(r) > tol)
+    if not free.any():
+        return None
+    with np.errstate(invalid="ignore", divide="ignore"):
+        dy_left = np.where(W[:-1] > 0, wt * (gt - y[:-1]) / W[:-1], 0.0)  # ∂y_i/∂t_i
+        dy_right = np.where(W[1:] > 0, -wt * (gt - y[1:]) / W[1:], 0.0)  # ∂y_{i+1}/∂t_i
+    J = np.zeros((m, m))
+    J[np.arange(m), np.arange(m)] = problem.dg(t) - 0.5 * (dy_left + dy_right)
+    if m > 1:
+        J[np.arange(1, m), np.arange(m - 1)] = -0.5 * dy_right[:-1]  # ∂r_i/∂t_{i-1}
+        J[np.arange(m - 1), np.arange(1, m)] = -0.5 * dy_left[1:]  # ∂r_i/∂t_{i+1}
+    # Fixed borders keep their place: their rows become Δ_i = 0.
+    J[~free, :] = 0.0
+    J[~free, ~free] = 1.0
+    rhs = np.where(free, -r, 0.0)
+    if not np.all(np.isfinite(J)):
+        return None
+    try:
+        step = np.linalg.solve(J, rhs)
+    except np.linalg.LinAlgError:
+        step = np.linalg.lstsq(J, rhs, rcond=None)[0]
+    return step if np.all(np.isfinite(step)) else None
+
+
+def _move(t, step, jumps):
+    """t + step, except that a border whose move would cross a jump of f' stops on it."""
+    new = t + step
+    if jumps.size:
+        lo, hi = np.minimum(t, new), np.maximum(t, new)
+        first = np.searchsorted(jumps, lo, side="right")  # first jump > lo
+        last = np.searchsorted(jumps, hi, side="left") - 1  # last jump < hi
+        crossing = first <= last
+        if crossing.any():
+            up = new > t
+            stop_up = jumps[np.clip(first, 0, jumps.size - 1)]
+            stop_down = jumps[np.clip(last, 0, jumps.size - 1)]
+            new = np.where(crossing, np.where(up, stop_up, stop_down), new)
+    return new

@@ -1,0 +1,240 @@
+"""Weights w(x) for the designer's objectives: where the inputs of an activation fall.
+
+Every weight is normalised to a probability density, so an objective is an expectation over
+inputs. Each one knows three ranges:
+- `integration_range`: finite, and holds all the mass a float64 integral can see;
+- `candidate_range`: where borders are worth placing (all but a negligible tail);
+- `breakpoints`: points inside the integration range where the density jumps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from actdesign.errors import ActdesignError
+
+_SQRT_2PI = math.sqrt(2.0 * math.pi)
+NORMAL_CANDIDATE_SIGMAS = 6.0  # borders beyond mean ± 6 std change E by < 1e-9 relative
+NORMAL_INTEGRATION_SIGMAS = 40.0  # the normal pdf underflows float64 beyond ~38.5 std
+MAX_HISTOGRAM_BINS = 4096
+
+
+@dataclass(frozen=True)
+class Normal:
+    mean: float = 0.0
+    std: float = 1.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.mean) and math.isfinite(self.std) and self.std > 0):
+            raise ActdesignError(f"normal weight needs a finite mean and a std > 0, got "
+                                 f"mean={self.mean}, std={self.std}")
+
+    def pdf(self, x):
+        z = (np.asarray(x, dtype=float) - self.mean) / self.std
+        return np.exp(-0.5 * z * z) / (self.std * _SQRT_2PI)
+
+    def cdf(self, x):
+        from scipy.special import ndtr
+
+        return ndtr((np.asarray(x, dtype=float) - self.mean) / self.std)
+
+    @property
+    def integration_range(self):
+        s = NORMAL_INTEGRATION_SIGMAS * self.std
+        return (self.mean - s, self.mean + s)
+
+    @property
+    def candidate_range(self):
+        s = NORMAL_CANDIDATE_SIGMAS * self.std
+        return (self.mean - s, self.mean + s)
+
+    @property
+    def breakpoints(self):
+        return np.empty(0)
+
+    @property
+    def center(self):
+        """The point the density is mirror-symmetric about."""
+        return self.mean
+
+    def to_dict(self):
+        return {"type": "normal", "mean": self.mean, "std": self.std}
+
+    def describe(self):
+        return f"normal(mean={self.mean:g}, std={self.std:g})"
+
+
+@dataclass(frozen=True)
+class Uniform:
+    low: float
+    high: float
+
+    def __post_init__(self):
+        if not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high):
+            raise ActdesignError(f"bad domain [{self.low}, {self.high}]: need finite L < R")
+
+    def pdf(self, x):
+        x = np.asarray(x, dtype=float)
+        inside = (x >= self.low) & (x <= self.high)
+        return np.where(inside, 1.0 / (self.high - self.low), 0.0)
+
+    def cdf(self, x):
+        return np.clip((np.asarray(x, dtype=float) - self.low) / (self.high - self.low), 0, 1)
+
+    @property
+    def integration_range(self):
+        return (self.low, self.high)
+
+    candidate_range = integration_range
+
+    @property
+    def breakpoints(self):
+        return np.empty(0)
+
+    @property
+    def center(self):
+        return 0.5 * (self.low + self.high)
+
+    def to_dict(self):
+        return {"type": "uniform", "domain": [self.low, self.high]}
+
+    def describe(self):
+        return f"uniform on [{self.low:g}, {self.high:g}]"
+
+
+@dataclass(frozen=True, eq=False)
+class Histogram:
+    """A piecewise-constant density from recorded values: counts over ascending bin edges."""
+
+    edges: np.ndarray
+    counts: np.ndarray
+    source: str | None = None
+
+    def __post_init__(self):
+        edges = np.asarray(self.edges, dtype=float)
+        counts = np.asarray(self.counts, dtype=float)
+        if edges.ndim != 1 or counts.ndim != 1 or edges.size != counts.size + 1:
+            raise ActdesignError("a histogram needs 1-D edges with one more entry than counts")
+        if counts.size == 0 or counts.size > MAX_HISTOGRAM_BINS:
+            raise ActdesignError(f"a histogram needs 1..{MAX_HISTOGRAM_BINS} bins")
+        if not (np.all(np.isfinite(edges)) and np.all(np.isfinite(counts))):
+            raise ActdesignError("histogram edges and counts must be finite")
+        if np.any(np.diff(edges) <= 0):
+            raise ActdesignError("histogram edges must be strictly ascending")
+        if np.any(counts < 0) or counts.sum() <= 0:
+            raise ActdesignError("histogram counts must be >= 0 with a positive total")
+        object.__setattr__(self, "edges", edges)
+        object.__setattr__(self, "counts", counts)
+
+    @property
+    def _density(self):
+        return self.counts / (self.counts.sum() * np.diff(self.edges))
+
+    def pdf(self, x):
+        x = np.asarray(x, dtype=float)
+        k = np.searchsorted(self.edges, x, side="right") - 1
+        inside = (k >= 0) & (k < self.counts.size)
+        return np.where(inside, self._density[np.clip(k, 0, self.counts.size - 1)], 0.0)
+
+    def cdf(self, x):
+        cum = np.concatenate([[0.0], np.cumsum(self.counts)]) / self.counts.sum()
+        return np.interp(np.asarray(x, dtype=float), self.edges, cum)
+
+    @property
+    def integration_range(self):
+        return (float(self.edges[0]), float(self.edges[-1]))
+
+    @property
+    def candidate_range(self):
+        """The range between the 1e-9 and 1 - 1e-9 quantiles: lone outliers waste no grid."""
+        cdf = self.cdf(self.edges)
+        lo = float(np.interp(1e-9, cdf, self.edges))
+        hi = float(np.interp(1 - 1e-9, cdf, self.edges))
+        return (lo, hi) if hi > lo else self.integration_range
+
+    @property
+    def breakpoints(self):
+        return self.edges[1:-1]
+
+    @property
+    def center(self):
+        return None
+
+    def to_dict(self):
+        d = {"type": "empirical", "edges": self.edges.tolist(), "counts": self.counts.tolist()}
+        if self.source:
+            d["source"] = self.source
+        return d
+
+    def describe(self):
+        src = f" from {self.source}" if self.source else ""
+        return f"empirical histogram{src} ({self.counts.size} bins, " \
+               f"[{self.edges[0]:g}, {self.edges[-1]:g}])"
+
+    @classmethod
+    def from_values(cls, values, source=None):
+        """Bins: Freedman-Diaconis width over the central 99.9%, plus two bins for the tails."""
+        v = np.asarray(values, dtype=float).ravel()
+        if v.size < 2:
+            raise ActdesignError("empirical weight needs at least 2 values")
+        if not np.all(np.isfinite(v)):
+            raise ActdesignError("empirical values contain NaN or infinity")
+        lo_q, q25, q75, hi_q = np.quantile(v, [0.0005, 0.25, 0.75, 0.9995])
+        vmin, vmax = float(v.min()), float(v.max())
+        if vmax <= vmin:
+            raise ActdesignError("empirical values are all equal; a density needs a spread")
+        if hi_q <= lo_q:
+            lo_q, hi_q = vmin, vmax
+        width = 2 * (q75 - q25) / np.cbrt(v.size)
+        bins = int(np.clip((hi_q - lo_q) / width if width > 0 else 1024, 32, 1024))
+        inner = np.linspace(lo_q, hi_q, bins + 1)
+        edges = np.unique(np.concatenate([[vmin], inner, [vmax]]))
+        counts, _ = np.histogram(v, bins=edges)
+        return cls(edges, counts.astype(float), source)
+
+
+def load_empirical(path: str | Path) -> Histogram:
+    """Raw values from a .npy file, or a histogram (arrays `edges` and `counts`) from .npz.
+
+    Files are read with allow_pickle=False: a data file can never run code.
+    """
+    path = Path(path)
+    try:
+        data = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise ActdesignError(f"empirical file {str(path)!r} not found") from None
+    except (OSError, ValueError) as exc:
+        raise ActdesignError(f"cannot read empirical file {str(path)!r}: "
+                             f"{str(exc).splitlines()[0]}") from None
+    if isinstance(data, np.lib.npyio.NpzFile):
+        with data:
+            if not {"edges", "counts"} <= set(data.files):
+                raise ActdesignError(f"{str(path)!r}: an .npz histogram needs arrays "
+                                     "'edges' and 'counts'")
+            edges, counts = data["edges"], data["counts"]
+        _require_numeric(path, edges, counts)
+        return Histogram(edges, counts, path.name)
+    _require_numeric(path, data)
+    return Histogram.from_values(data, path.name)
+
+
+def _require_numeric(path, *arrays):
+    for a in arrays:
+        if not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
+            raise ActdesignError(f"{str(path)!r}: expected numbers, found dtype {a.dtype}")
+
+
+def from_dict(d: dict):
+    """The weight described by a spec's objective.weight (already validated)."""
+    kind = d["type"]
+    if kind == "normal":
+        return Normal(d["mean"], d["std"])
+    if kind == "uniform":
+        return Uniform(*d["domain"])
+    if kind == "empirical":
+        return Histogram(d["edges"], d["counts"], d.get("source"))
+    raise ActdesignError(f"unknown weight type {kind!r}")

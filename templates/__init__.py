@@ -1,0 +1,1 @@
+"""Jinja templates (`*.py.jinja`) that codegen renders into Triton kernels and op modules."""
