@@ -47,11 +47,12 @@ def interval_moments(g, pdf, cuts, mesh, shift=0.0, order=16):
     return total(w), total(gw), total(np.where(w > 0, gv * gw, 0.0))
 
 
-def adaptive_integral(fn, breaks, rtol=1e-12, atol=0.0, max_rounds=60):
+def adaptive_integral(fn, breaks, rtol=1e-12, atol=0.0, max_rounds=60, max_pieces=50_000):
     """∫ fn over [breaks[0], breaks[-1]], splitting at `breaks`, by adaptive bisection.
 
     Each piece is estimated with 10- and 20-point Gauss-Legendre; pieces whose difference is
-    above their share of the tolerance are halved. Returns (value, error estimate).
+    above their share of the tolerance are halved, up to `max_pieces` at once. Returns (value,
+    error estimate); a divergent integral shows as a large estimate.
     """
     a = np.asarray(breaks[:-1], dtype=float)
     b = np.asarray(breaks[1:], dtype=float)
@@ -72,7 +73,7 @@ def adaptive_integral(fn, breaks, rtol=1e-12, atol=0.0, max_rounds=60):
         ok = (err <= share) | (half <= 4 * np.finfo(float).eps * np.maximum(1.0, np.abs(mid)))
         done_value += i20[ok].sum()
         done_error += err[ok].sum()
-        if ok.all() or done_error + err[~ok].sum() <= tol:
+        if ok.all() or done_error + err[~ok].sum() <= tol or 2 * (~ok).sum() > max_pieces:
             return done_value + i20[~ok].sum(), done_error + err[~ok].sum()
         a, b, mid = a[~ok], b[~ok], mid[~ok]
         a, b = np.concatenate([a, mid]), np.concatenate([mid, b])

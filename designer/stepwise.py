@@ -11,7 +11,7 @@ The reported error is an adaptive quadrature of the final table, not the grid su
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,10 +45,10 @@ class StepwiseFit:
     error_estimate: float  # the quadrature's own error bound on E
     reference: float  # ∫ f'² w, so error / reference is the relative error
     grid_error: float  # E of the grid optimum (stage 1), same quadrature
+    grid_borders: np.ndarray  # the grid optimum's borders
     grid_size: int  # cells in the stage-1 grid
     stationarity: float  # max |f'(t_i) - (y_i + y_{i+1})/2| over borders where it applies
     iterations: int  # Newton iterations in stage 2
-    extra: dict = field(default_factory=dict)
 
     @property
     def relative_error(self) -> float:
@@ -69,9 +69,16 @@ class Problem:
         self.jumps = activation.breakpoints(a, b)
         self.splits = np.union1d(self.jumps, weight.breakpoints)
         lo, hi = weight.candidate_range
-        # Tails outside the candidate range get a coarse mesh of their own.
-        tails = [np.linspace(a, lo, 33), np.linspace(hi, b, 33)] if (a < lo or hi < b) else []
-        self.mesh = np.union1d(self.splits, np.concatenate(tails) if tails else [])
+        # Gauss-Legendre pieces: 512 across the candidate range, 32 across each tail, so
+        # every piece is smooth and short enough for 16-point rules to reach round-off.
+        resolution = [np.linspace(lo, hi, 513), np.linspace(a, lo, 33), np.linspace(hi, b, 33)]
+        self.mesh = np.union1d(self.splits, np.concatenate(resolution))
+        probe = self.mesh[self.pdf(self.mesh) > 0]
+        for fn, what in ((activation.f, "f(x)"), (self.g, "f'(x)")):
+            bad = ~np.isfinite(fn(probe))
+            if bad.any():
+                raise ActdesignError(f"{what} of {activation.label} is not finite at "
+                                     f"x = {probe[bad][0]:.6g}, where the weight is positive")
 
     def grid(self, cells: int) -> np.ndarray:
         """Candidate borders: a uniform grid over the candidate range, mirror-symmetric about
@@ -124,7 +131,11 @@ class Problem:
             w = self.pdf(x)
             return np.where(w > 0, self.g(x) ** 2 * w, 0.0)
 
-        return adaptive_integral(integrand, self._breaks(np.empty(0)), atol=1e-300)[0]
+        value, bound = adaptive_integral(integrand, self._breaks(np.empty(0)), atol=1e-300)
+        if not (np.isfinite(value) and bound <= 1e-6 * abs(value) + 1e-300):
+            raise ActdesignError(f"the integral of f'(x)^2 w(x) for {self.activation.label} "
+                                 "does not converge under this weight")
+        return value
 
     def _breaks(self, borders):
         a, b = self.range
@@ -146,6 +157,7 @@ def fit_stepwise(activation: Activation, bits: int, weight=None, grid: int | Non
         raise ActdesignError(f"grid must be an integer in {2 * levels_count}..65536 for "
                              f"{bits} bits, got {grid!r}")
     problem = Problem(activation, weight)
+    reference = problem.reference()
 
     # Stage 1: exact optimum over the grid.
     candidates = problem.grid(int(cells))
@@ -167,8 +179,8 @@ def fit_stepwise(activation: Activation, bits: int, weight=None, grid: int | Non
         borders, levels, error, err_est = grid_borders, grid_levels, grid_error, grid_err_est
         stationarity = float(np.max(np.abs(residuals(problem, borders)[0]), initial=0.0))
     return StepwiseFit(activation, weight, int(bits), borders, levels, error, err_est,
-                       problem.reference(), grid_error, int(cuts.size - 1), stationarity,
-                       iterations)
+                       reference, grid_error, grid_borders, int(cuts.size - 1),
+                       stationarity, iterations)
 
 
 def residuals(problem: Problem, t: np.ndarray):
@@ -206,15 +218,12 @@ def refine(problem: Problem, borders: np.ndarray, max_iter: int = 100):
     tol = 64 * _EPS * max(g_scale, 1e-300)
     state = residuals(problem, t)
     merit = float(np.max(np.abs(state[0])))
-    iterations = 0
+    steps = 0
     lo, hi = problem.range
-    for iterations in range(1, max_iter + 1):
-        if merit <= tol:
-            break
+    while steps < max_iter and merit > tol:
         step = _newton_step(problem, t, state, tol)
         if step is None:
             break
-        accepted = False
         for alpha in 0.5 ** np.arange(40):
             cand = _move(t, alpha * step, problem.jumps)
             if not (np.all(np.diff(cand) > 0) and cand[0] > lo and cand[-1] < hi):
@@ -222,12 +231,15 @@ def refine(problem: Problem, borders: np.ndarray, max_iter: int = 100):
             cand_state = residuals(problem, cand)
             cand_merit = float(np.max(np.abs(cand_state[0])))
             if cand_merit < merit:
-                stalled = cand_merit > 0.5 * merit and merit < 1e3 * tol  # at rounding level
-                t, state, merit, accepted = cand, cand_state, cand_merit, True
                 break
-        if not accepted or stalled:
+        else:
+            break  # no step length helps: we are at the rounding floor
+        stalled = cand_merit > 0.5 * merit and merit < 1e3 * tol  # progress is rounding noise
+        t, state, merit = cand, cand_state, cand_merit
+        steps += 1
+        if stalled:
             break
-    return t, iterations, merit
+    return t, steps, merit
 
 
 def _newton_step(problem, t, state, tol):

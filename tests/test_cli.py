@@ -1,0 +1,178 @@
+"""The `actdesign` command: success paths, error paths, imports and the numba cache."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from actdesign.cli import main
+
+
+def run(capsys, *argv):
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+def test_list(capsys):
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert len(lines) == 21 and lines[0].startswith("relu ")
+    assert any(line.startswith("silu ") and "swish" in line for line in lines)
+
+
+def test_fit_and_show(capsys, tmp_path):
+    out_file = tmp_path / "gelu3.json"
+    code, out, err = run(capsys, "fit", "gelu", "--bits", "3", "--out", str(out_file))
+    assert code == 0 and err == ""
+    assert "3 bit(s), gelu" in out and "E = " in out and f"wrote {out_file}" in out
+    data = json.loads(out_file.read_text())
+    assert data["bits"] == 3 and len(data["borders"]) == 7
+    code, out, _ = run(capsys, "show", str(out_file), "--plot", str(tmp_path / "g.png"))
+    assert code == 0 and out.count("\n") > 10 and "code" in out
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fit_variants(capsys, tmp_path):
+    values = np.random.default_rng(0).normal(0.3, 1.2, 50_000)
+    np.save(tmp_path / "preacts.npy", values)
+    edges = np.linspace(-4, 4, 65)
+    np.savez(tmp_path / "hist.npz", edges=edges, counts=np.histogram(values, edges)[0])
+    cases = [
+        (["silu", "--bits", "2", "--weight", "uniform", "--domain", "-10", "10"], "uniform"),
+        (["x*sigmoid(1.702*x)", "--bits", "3"], "normal"),
+        (["tanh", "--bits", "4", "--weight", f"empirical:{tmp_path / 'preacts.npy'}"],
+         "empirical"),
+        (["gelu", "--bits", "2", "--weight", f"empirical:{tmp_path / 'hist.npz'}"],
+         "empirical"),
+        (["mish", "--bits", "1", "--mean", "0.5", "--std", "2"], "normal"),
+    ]
+    for i, (args, weight_type) in enumerate(cases):
+        out_file = tmp_path / f"spec{i}.json"
+        code, _, err = run(capsys, "fit", *args, "--out", str(out_file))
+        assert code == 0, err
+        assert json.loads(out_file.read_text())["objective"]["weight"]["type"] == weight_type
+    code, out, _ = run(capsys, "fit", "relu", "--bits", "2")  # no --out: print only
+    assert code == 0 and "distinct levels" in out
+
+
+ERROR_CASES = {
+    "unknown activation": ["fit", "gelux", "--bits", "3"],
+    "unsafe expression": ["fit", "__import__('os').system('true')", "--bits", "3"],
+    "bits too high": ["fit", "gelu", "--bits", "9"],
+    "bits zero": ["fit", "gelu", "--bits", "0"],
+    "missing bits": ["fit", "gelu"],
+    "bad domain": ["fit", "silu", "--bits", "2", "--weight", "uniform", "--domain", "3", "-3"],
+    "nan domain": ["fit", "silu", "--bits", "2", "--weight", "uniform", "--domain", "nan", "1"],
+    "uniform without domain": ["fit", "silu", "--bits", "2", "--weight", "uniform"],
+    "domain with normal": ["fit", "silu", "--bits", "2", "--domain", "-1", "1"],
+    "bad std": ["fit", "silu", "--bits", "2", "--std", "0"],
+    "unknown weight": ["fit", "silu", "--bits", "2", "--weight", "cauchy"],
+    "missing empirical": ["fit", "tanh", "--bits", "2", "--weight", "empirical:nope.npy"],
+    "small grid": ["fit", "tanh", "--bits", "8", "--grid", "10"],
+    "unknown option": ["fit", "tanh", "--bits", "2", "--colour", "red"],
+    "missing spec": ["show", "nope.json"],
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=list(ERROR_CASES))
+def test_errors_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *ERROR_CASES[case], "--out", "result.json") \
+        if ERROR_CASES[case][0] == "fit" else run(capsys, *ERROR_CASES[case])
+    assert code == 2
+    assert err.startswith("actdesign: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and out == ""
+    assert list(tmp_path.iterdir()) == []  # no output, partial or otherwise
+
+
+def test_bad_data_files(capsys, tmp_path):
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    (tmp_path / "garbage.npy").write_bytes(b"not numpy at all")
+    np.save(tmp_path / "strings.npy", np.array(["a", "b"]))
+    np.save(tmp_path / "nan.npy", np.array([0.0, np.nan, 1.0]))
+    np.savez(tmp_path / "nohist.npz", values=np.arange(3.0))
+    (tmp_path / "bad.json").write_text('{"format": "actdesign.spec/1"}')
+    for name in ("objects.npy", "garbage.npy", "strings.npy", "nan.npy", "nohist.npz"):
+        code, _, err = run(capsys, "fit", "tanh", "--bits", "2", "--weight",
+                           f"empirical:{tmp_path / name}", "--out", str(tmp_path / "o.json"))
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (name, err)
+    assert not (tmp_path / "o.json").exists()
+    code, _, err = run(capsys, "show", str(tmp_path / "bad.json"))
+    assert code == 2 and "missing field" in err
+
+
+def test_unwritable_outputs_fail_before_work(capsys, tmp_path):
+    code, _, err = run(capsys, "fit", "gelu", "--bits", "3", "--out",
+                       str(tmp_path / "no" / "such" / "dir.json"))
+    assert code == 2 and "does not exist" in err
+    spec_file = tmp_path / "s.json"
+    assert run(capsys, "fit", "gelu", "--bits", "1", "--out", str(spec_file))[0] == 0
+    code, out, err = run(capsys, "show", str(spec_file), "--plot", str(tmp_path / "x" / "p.png"))
+    assert code == 2 and out == "" and "does not exist" in err
+    if os.geteuid() != 0:  # root ignores permission bits
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        code, _, err = run(capsys, "fit", "gelu", "--bits", "1", "--out", str(locked / "a.json"))
+        assert code == 2 and "permission" in err
+
+
+def _python(code, env=None):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_console_script_exit_codes(tmp_path):
+    bad = _python("from actdesign.cli import main; main(['fit', 'nope', '--bits', '3'])")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip() == ("actdesign: error: unknown activation 'nope'; run "
+                                  "'actdesign list' for built-ins, or give an expression in x "
+                                  "such as 'x*sigmoid(1.702*x)'")
+    ok = _python("from actdesign.cli import main; main(['--version'])")
+    assert ok.returncode == 0 and "0.1.0" in ok.stdout
+
+
+def test_fit_list_show_never_import_torch_or_triton(tmp_path):
+    """A finder that records any attempt to import torch or triton, even a guarded one."""
+    result = _python(f"""
+        import sys
+        attempts = []
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "triton"):
+                    attempts.append(name)
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        from actdesign.cli import main
+        for argv in (["list"], ["fit", "gelu", "--bits", "2", "--out", r"{tmp_path}/g.json"],
+                     ["show", r"{tmp_path}/g.json", "--plot", r"{tmp_path}/g.png"]):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                assert exc.code == 0, exc.code
+        print("attempts:", attempts)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "attempts: []" in result.stdout
+
+
+def test_second_fit_does_not_recompile(tmp_path):
+    script = """
+        from actdesign.activation import resolve
+        from actdesign.designer import fit_stepwise, partition
+        fit_stepwise(resolve("gelu"), 2)
+        kernels = (partition._first_level, partition._next_level)
+        print(sum(sum(k.stats.cache_hits.values()) for k in kernels),
+              sum(sum(k.stats.cache_misses.values()) for k in kernels))
+    """
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    first, second = _python(script, env), _python(script, env)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout.split() == ["0", "2"]  # compiled and cached
+    assert second.stdout.split() == ["2", "0"]  # loaded from the cache, nothing compiled

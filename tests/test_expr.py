@@ -1,0 +1,116 @@
+"""The expression language and the built-in registry."""
+
+import numpy as np
+import pytest
+import scipy.special as sc
+
+from actdesign import ActdesignError
+from actdesign.activation import BUILTINS, builtin_names, resolve
+from actdesign.expr import parse
+
+_SELU_SCALE, _SELU_ALPHA = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
+
+
+def _softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+# Independent references, written with numpy/scipy primitives rather than the language.
+REFERENCE = {
+    "relu": lambda x: np.maximum(x, 0.0),
+    "leaky_relu": lambda x: np.where(x >= 0, x, 0.01 * x),
+    "relu6": lambda x: np.minimum(np.maximum(x, 0.0), 6.0),
+    "elu": lambda x: np.where(x > 0, x, np.expm1(x)),
+    "celu": lambda x: np.where(x > 0, x, np.expm1(x)),
+    "selu": lambda x: _SELU_SCALE * np.where(x > 0, x, _SELU_ALPHA * np.expm1(x)),
+    "gelu": lambda x: x * sc.ndtr(x),
+    "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))),
+    "quick_gelu": lambda x: x * sc.expit(1.702 * x),
+    "silu": lambda x: x * sc.expit(x),
+    "mish": lambda x: x * np.tanh(_softplus(x)),
+    "sigmoid": sc.expit,
+    "tanh": np.tanh,
+    "softplus": _softplus,
+    "softsign": lambda x: x / (1 + np.abs(x)),
+    "logsigmoid": lambda x: -_softplus(-x),
+    "tanhshrink": lambda x: x - np.tanh(x),
+    "hardswish": lambda x: x * np.clip(x + 3, 0, 6) / 6,
+    "hardsigmoid": lambda x: np.clip(x + 3, 0, 6) / 6,
+    "hardtanh": lambda x: np.clip(x, -1, 1),
+    "squared_relu": lambda x: np.maximum(x, 0.0) ** 2,
+}
+
+XS = np.concatenate([np.linspace(-30, 30, 4001), [-1e-300, 0.0, 1e-300, 3.0, -3.0, 6.0]])
+
+
+def test_every_builtin_has_a_reference():
+    assert set(builtin_names()) == set(REFERENCE)
+    required = {"relu", "leaky_relu", "relu6", "elu", "celu", "selu", "gelu", "gelu_tanh",
+                "quick_gelu", "silu", "mish", "sigmoid", "tanh", "softplus", "softsign",
+                "logsigmoid", "tanhshrink", "hardswish", "hardsigmoid", "hardtanh",
+                "squared_relu"}
+    assert required <= set(builtin_names())
+    assert resolve("swish").name == "silu"
+
+
+@pytest.mark.parametrize("builtin", BUILTINS, ids=lambda b: b.name)
+def test_formula_agrees_with_reference(builtin):
+    act = resolve(builtin.name)
+    # Same as parsing the text anew: the built-in is its formula.
+    assert parse(builtin.formula) == act.f_expr
+    # float64 round-off of two different evaluation orders: a few ulps of |f|.
+    np.testing.assert_allclose(act.f(XS), REFERENCE[builtin.name](XS), rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("builtin", BUILTINS, ids=lambda b: b.name)
+def test_derivatives_match_finite_differences(builtin):
+    act = resolve(builtin.name)
+    x = np.linspace(-8, 8, 1601) + 1e-3  # avoids landing on the kinks at integers
+    h = 1e-5
+    kinks = act.breakpoints(-10, 10)
+    away = np.all(np.abs(x[:, None] - kinks[None, :]) > 10 * h, axis=1) if kinks.size else True
+    fd = (act.f(x + h) - act.f(x - h)) / (2 * h)
+    fd2 = (act.df(x + h) - act.df(x - h)) / (2 * h)
+    # Central differences: truncation h²|f'''|/6 ~ 1e-10, rounding eps·|f|/h ~ 1e-10.
+    np.testing.assert_allclose(np.where(away, act.df(x), 0), np.where(away, fd, 0), atol=1e-8)
+    np.testing.assert_allclose(np.where(away, act.d2f(x), 0), np.where(away, fd2, 0), atol=1e-8)
+
+
+def test_breakpoints_are_exact():
+    assert resolve("relu").breakpoints(-5, 5).tolist() == [0.0]
+    assert resolve("hardswish").breakpoints(-5, 5).tolist() == [-3.0, 3.0]
+    assert resolve("relu6").breakpoints(-10, 10).tolist() == [0.0, 6.0]
+    # A non-polynomial condition is found by bisection, to the last bits.
+    (p,) = resolve("where(exp(x) > 2, x, 0)").breakpoints(-5, 5)
+    assert p == pytest.approx(np.log(2), rel=1e-15)
+
+
+def test_expression_language():
+    act = resolve("x*sigmoid(1.702*x)")
+    assert act.name is None and act.label == "x*sigmoid(1.702*x)"
+    np.testing.assert_allclose(act.f(XS), REFERENCE["quick_gelu"](XS), rtol=1e-13, atol=1e-14)
+    f = resolve("where(x > 0 and x < 1, x**2, min(max(x, -2), 3)) + abs(x) + e + pi")
+    x = np.array([-3.0, -1.0, 0.5, 2.0, 4.0])
+    expected = np.array([-2.0, -1.0, 0.25, 2.0, 3.0]) + np.abs(x) + np.e + np.pi
+    np.testing.assert_allclose(f.f(x), expected, rtol=1e-15)
+    # Stable special functions: no overflow to inf or nan far out.
+    sp_ = resolve("softplus(x) + sigmoid(x) + log1p(expm1(x))")
+    assert np.all(np.isfinite(sp_.f(np.array([-700.0, 0.0, 700.0]))))
+
+
+@pytest.mark.parametrize("text", [
+    "x.__class__", "__import__('os')", "x.real", "open('f')", "eval('1')", "exec('x')",
+    "(lambda: 1)()", "[x]", "x if x else 1", "x[0]", "y", "exp", "exp(x, 2)", "exp(x=1)",
+    "x < 1", "where(1, x, 0)", "9**9**9**9", "'a'", "True", "x @ x", "x // 2", "x % 2", "",
+    "1", "x**1000", "x" * 3000, "not x", "{x: 1}", "f'{x}'", "exp(x)(1)", "getattr(x, 'a')",
+    "1 < x < 2", "clip(x, 1, 0)", "clip(x, x, 1)", "x + 1e999", "x ==1",
+])
+def test_unsafe_or_bad_expressions_are_refused(text):
+    with pytest.raises(ActdesignError) as info:
+        resolve(text)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_name_suggests_list():
+    with pytest.raises(ActdesignError, match="actdesign list"):
+        resolve("gelu_fancy")
