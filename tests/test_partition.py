@@ -4,6 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
+
 from actdesign.designer.partition import optimal_partition
 
 

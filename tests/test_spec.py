@@ -6,10 +6,10 @@ import os
 
 import numpy as np
 import pytest
-from actdesign.designer import Histogram, Uniform, fit_stepwise
 
 from actdesign import ActdesignError, spec
 from actdesign.activation import resolve
+from actdesign.designer import Histogram, Uniform, fit_stepwise
 
 
 @pytest.fixture(scope="module")
