@@ -176,3 +176,30 @@ def test_second_fit_does_not_recompile(tmp_path):
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stdout.split() == ["0", "2"]  # compiled and cached
     assert second.stdout.split() == ["2", "0"]  # loaded from the cache, nothing compiled
+
+
+def test_long_fit_shows_a_progress_bar_on_a_terminal(tmp_path):
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.run(
+        [sys.executable, "-c", "from actdesign.cli import main; main()", "fit", "gelu",
+         "--bits", "6", "--out", str(tmp_path / "g.json")],
+        stdout=subprocess.PIPE, stderr=slave, timeout=300)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the terminal closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.returncode == 0
+    assert b"optimal grid partition" in b"".join(chunks)
+    # Not on a pipe: the same fit through a pipe prints no bar.
+    piped = subprocess.run([sys.executable, "-c", "from actdesign.cli import main; main()",
+                            "fit", "gelu", "--bits", "6"], capture_output=True, timeout=300)
+    assert piped.returncode == 0 and piped.stderr == b""

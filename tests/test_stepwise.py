@@ -251,3 +251,9 @@ def test_bad_arguments():
         fit_stepwise(resolve("log(x)"), 2)
     with pytest.raises(ActdesignError, match="does not converge"):
         fit_stepwise(resolve("exp(x**2/4)"), 2)  # ∫ f'² φ diverges
+
+
+def test_progress_reports_every_level():
+    calls = []
+    fit_stepwise(resolve("gelu"), 3, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(k, 7) for k in range(1, 8)]
