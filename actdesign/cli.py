@@ -61,7 +61,7 @@ def _weight(spec: str, mean: float | None, std: float | None, domain):
 @click.option("--std", type=float, help="Standard deviation of the normal weight [1].")
 @click.option("--domain", type=(float, float), metavar="L R", help="Uniform weight on [L, R].")
 @click.option("--grid", type=int, help="Candidate-grid cells for the exact stage "
-                                       "[max(2048, 16 * 2^bits)].")
+                                       "[max(2048, 32 * 2^bits)].")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), help="Write the spec here.")
 def fit(activation, bits, kind, weight, mean, std, domain, grid, out):
     """Fit an optimal few-bit derivative table for ACTIVATION.
