@@ -5,8 +5,11 @@ weighted squared deviation from its weighted mean, S - F²/W, computed in O(1) f
 sums. The DP runs over (segments used, end cell) in O(K·N²) time and keeps O(K·N) memory for
 the back-pointers; no N×N matrix is ever built.
 
-Pruning, exact: a segment's cost never decreases when it grows, so scanning its start j
-downwards, once cost(j, i) alone reaches the best total found for i, no smaller j can win.
+Pruning, exact. Scanning the start j of the last segment downwards from i - 1: a segment's
+cost is superadditive (merging two pieces adds their between-piece variance), so any start
+j' < j costs at least D_k(j) + cost(j, i), where D_k(j) is the best k-segment cost of the
+cells before j, already known for j < i. Once that bound reaches the best total found for i,
+no smaller j can win.
 """
 
 from __future__ import annotations
@@ -33,13 +36,16 @@ def _first_level(W, F, S, cur):
 
 @njit(cache=True, nogil=True)
 def _next_level(W, F, S, prev, k, i_lo, i_hi, cur, back):
-    """cur[i] = min over j of prev[j] + cost(j, i) for the k-th segment ending at cell i."""
+    """cur[i] = min over j of prev[j] + cost(j, i) for the k-th segment ending at cell i.
+
+    cur must hold zeros where it is not computed: 0 is a valid lower bound there.
+    """
     for i in range(i_lo, i_hi + 1):
         best = np.inf
         arg = -1
         for j in range(i - 1, k - 2, -1):
             c = _cost(W, F, S, j, i)
-            if c >= best:
+            if cur[j] + c >= best:
                 break
             v = prev[j] + c
             if v < best:
@@ -64,7 +70,7 @@ def optimal_partition(W, F, S, segments, progress=None):
     _first_level(W, F, S, prev)
     back = np.zeros((K + 1, n + 1), dtype=np.int32)
     for k in range(2, K + 1):
-        cur = np.full(n + 1, np.inf)
+        cur = np.zeros(n + 1)
         # Segment k must leave one cell for each later segment; the last one ends at n.
         i_lo, i_hi = (n, n) if k == K else (k, n - (K - k))
         _next_level(W, F, S, prev, k, i_lo, i_hi, cur, back[k])

@@ -190,15 +190,19 @@ def fit_stepwise(activation: Activation, bits: int, weight=None, grid: int | Non
                        stationarity, iterations)
 
 
-def grid_optimum(problem: Problem, candidates: np.ndarray, segments: int, progress=None):
-    """The exact best borders among `candidates`, by the DP over the cells they cut."""
+def grid_prefix_sums(problem: Problem, candidates: np.ndarray):
+    """The DP's input for a candidate grid: its cuts, and prefix sums of W, F, S per cell."""
     cuts = np.concatenate([[problem.range[0]], candidates, [problem.range[1]]])
     mesh = np.union1d(problem.mesh, cuts)
     # Centre f' on its mean first: smaller prefix sums, less cancellation in S - F²/W.
     W0, F0, _ = problem.moments(candidates, mesh=mesh)
-    shift = float(F0.sum() / W0.sum())
-    W, F, S = problem.moments(candidates, mesh=mesh, shift=shift)
-    prefix = [np.concatenate([[0.0], np.cumsum(m)]) for m in (W, F, S)]
+    W, F, S = problem.moments(candidates, mesh=mesh, shift=float(F0.sum() / W0.sum()))
+    return cuts, [np.concatenate([[0.0], np.cumsum(m)]) for m in (W, F, S)]
+
+
+def grid_optimum(problem: Problem, candidates: np.ndarray, segments: int, progress=None):
+    """The exact best borders among `candidates`, by the DP over the cells they cut."""
+    cuts, prefix = grid_prefix_sums(problem, candidates)
     index, _ = optimal_partition(*prefix, segments, progress)
     return cuts[index[1:-1]]
 
