@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actdesign.activation import Activation
+from actdesign.activation import Activation, resolve
 from actdesign.errors import ActdesignError
 
 from .partition import optimal_partition
@@ -24,6 +24,7 @@ from .tridiagonal import solve_tridiagonal
 from .weights import Normal
 
 MAX_BITS = 8
+MAX_GRID = 2**16
 _EPS = np.finfo(float).eps
 
 
@@ -49,7 +50,7 @@ class StepwiseFit:
     reference: float  # ∫ f'² w, so error / reference is the relative error
     grid_error: float  # E of the grid optimum (stage 1), same quadrature
     grid_borders: np.ndarray  # the grid optimum's borders
-    grid_size: int  # cells in the stage-1 grid
+    grid_size: int  # the stage-1 grid's size, as passed to `grid` (reproduces the fit)
     stationarity: float  # max |f'(t_i) - (y_i + y_{i+1})/2| over borders where it applies
     iterations: int  # Newton iterations in stage 2
 
@@ -116,9 +117,9 @@ class Problem:
 
     def levels(self, borders):
         W, F, _ = self.moments(borders)
-        return self._means(borders, W, F)
+        return self.means(borders, W, F)
 
-    def _means(self, borders, W, F):
+    def means(self, borders, W, F):
         """Weighted means; an interval without weight takes f' at its midpoint."""
         cuts = np.concatenate([[self.range[0]], borders, [self.range[1]]])
         mid = self.g(0.5 * (cuts[:-1] + cuts[1:]))
@@ -156,24 +157,25 @@ class Problem:
         return pts[(pts >= a) & (pts <= b)]
 
 
-def fit_stepwise(activation: Activation, bits: int, weight=None, grid: int | None = None,
-                 progress=None) -> StepwiseFit:
-    """The optimal b-bit step function for f' under `weight` (default N(0, 1))."""
-    if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or \
-            not 1 <= bits <= MAX_BITS:
-        raise ActdesignError(f"bits must be an integer in 1..{MAX_BITS}, got {bits!r}")
+def fit_stepwise(activation: Activation | str, bits: int, weight=None,
+                 grid: int | None = None, progress=None) -> StepwiseFit:
+    """The optimal b-bit step function for f' under `weight` (default N(0, 1)).
+
+    `activation` is an Activation, a built-in name or an expression in x. `progress(done,
+    total)` is called as the grid DP completes each level.
+    """
+    if isinstance(activation, str):
+        activation = resolve(activation)
+    bits = _integer("bits", bits, 1, MAX_BITS)
     weight = Normal() if weight is None else weight
-    levels_count = 2**int(bits)
-    cells = default_grid(bits) if grid is None else grid
-    if isinstance(cells, bool) or not isinstance(cells, int | np.integer) or \
-            not 2 * levels_count <= cells <= 2**16:
-        raise ActdesignError(f"grid must be an integer in {2 * levels_count}..65536 for "
-                             f"{bits} bits, got {grid!r}")
+    levels_count = 2**bits
+    cells = _integer("grid", default_grid(bits) if grid is None else grid, 2 * levels_count,
+                     MAX_GRID)
     problem = Problem(activation, weight)
     reference = problem.reference()
 
     # Stage 1: exact optimum over the grid.
-    candidates = problem.grid(int(cells))
+    candidates = problem.grid(cells)
     grid_borders = grid_optimum(problem, candidates, levels_count, progress)
     grid_levels = problem.levels(grid_borders)
     grid_error, grid_err_est = problem.error(grid_borders, grid_levels)
@@ -185,9 +187,16 @@ def fit_stepwise(activation: Activation, bits: int, weight=None, grid: int | Non
     if not error <= grid_error:  # refinement never makes things worse
         borders, levels, error, err_est = grid_borders, grid_levels, grid_error, grid_err_est
         stationarity = float(np.max(np.abs(residuals(problem, borders)[0]), initial=0.0))
-    return StepwiseFit(activation, weight, int(bits), borders, levels, error, err_est,
-                       reference, grid_error, grid_borders, int(candidates.size + 1),
+    return StepwiseFit(activation, weight, bits, borders, levels, error, err_est,
+                       reference, grid_error, grid_borders, cells,
                        stationarity, iterations)
+
+
+def _integer(name, value, lo, hi) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or \
+            not lo <= value <= hi:
+        raise ActdesignError(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
+    return int(value)
 
 
 def grid_prefix_sums(problem: Problem, candidates: np.ndarray):
@@ -211,7 +220,7 @@ def residuals(problem: Problem, t: np.ndarray):
     """r_i = f'(t_i) - (y_i + y_{i+1})/2, zeroed where stationarity holds trivially: borders
     in zero weight, and borders on a jump of f' that brackets the mean of their levels."""
     W, F, _ = problem.moments(t)
-    y = problem._means(t, W, F)
+    y = problem.means(t, W, F)
     gt = problem.g(t)
     mid = 0.5 * (y[:-1] + y[1:])
     r = gt - mid
