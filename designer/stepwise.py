@@ -71,12 +71,12 @@ class Problem:
         a, b = weight.integration_range
         self.range = (float(a), float(b))
         self.jumps = activation.breakpoints(a, b)
-        self.splits = np.union1d(self.jumps, weight.breakpoints)
         lo, hi = weight.candidate_range
         # Gauss-Legendre pieces: 512 across the candidate range, 32 across each tail, so
         # every piece is smooth and short enough for 16-point rules to reach round-off.
         resolution = [np.linspace(lo, hi, 513), np.linspace(a, lo, 33), np.linspace(hi, b, 33)]
-        self.mesh = np.union1d(self.splits, np.concatenate(resolution))
+        splits = np.union1d(self.jumps, weight.breakpoints)
+        self.mesh = np.union1d(splits, np.concatenate(resolution))
         probe = self.mesh[self.pdf(self.mesh) > 0]
         for fn, what in ((activation.f, "f(x)"), (self.g, "f'(x)")):
             bad = ~np.isfinite(fn(probe))

@@ -56,11 +56,6 @@ class Normal:
     def breakpoints(self):
         return np.empty(0)
 
-    @property
-    def center(self):
-        """The point the density is mirror-symmetric about."""
-        return self.mean
-
     def to_dict(self):
         return {"type": "normal", "mean": self.mean, "std": self.std}
 
@@ -94,10 +89,6 @@ class Uniform:
     @property
     def breakpoints(self):
         return np.empty(0)
-
-    @property
-    def center(self):
-        return 0.5 * (self.low + self.high)
 
     def to_dict(self):
         return {"type": "uniform", "domain": [self.low, self.high]}
@@ -159,10 +150,6 @@ class Histogram:
     @property
     def breakpoints(self):
         return self.edges[1:-1]
-
-    @property
-    def center(self):
-        return None
 
     def to_dict(self):
         d = {"type": "empirical", "edges": self.edges.tolist(), "counts": self.counts.tolist()}
