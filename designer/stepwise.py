@@ -186,7 +186,7 @@ def fit_stepwise(activation: Activation | str, bits: int, weight=None,
     error, err_est = problem.error(borders, levels)
     if not error <= grid_error:  # refinement never makes things worse
         borders, levels, error, err_est = grid_borders, grid_levels, grid_error, grid_err_est
-        stationarity = float(np.max(np.abs(residuals(problem, borders)[0]), initial=0.0))
+        stationarity = _worst(residuals(problem, borders))
     return StepwiseFit(activation, weight, bits, borders, levels, error, err_est,
                        reference, grid_error, grid_borders, cells,
                        stationarity, iterations)
@@ -217,8 +217,9 @@ def grid_optimum(problem: Problem, candidates: np.ndarray, segments: int, progre
 
 
 def residuals(problem: Problem, t: np.ndarray):
-    """r_i = f'(t_i) - (y_i + y_{i+1})/2, zeroed where stationarity holds trivially: borders
-    in zero weight, and borders on a jump of f' that brackets the mean of their levels."""
+    """r_i = f'(t_i) - (y_i + y_{i+1})/2, and where it applies (`active`): not at borders in
+    zero weight, nor at borders on a jump of f' that brackets the mean of their levels,
+    which are stationary as they stand."""
     W, F, _ = problem.moments(t)
     y = problem.means(t, W, F)
     gt = problem.g(t)
@@ -234,15 +235,15 @@ def residuals(problem: Problem, t: np.ndarray):
         bracketed = left * right <= 0
         idx = np.nonzero(on_jump)[0][bracketed]
         active[idx] = False
-    r = np.where(active, r, 0.0)
     return r, active, y, W, wt, gt
 
 
 def refine(problem: Problem, borders: np.ndarray, max_iter: int = 100):
-    """Newton's method on the stationarity residuals, with backtracking on max |r|.
+    """Newton's method on the stationarity residuals, with backtracking on ||r||.
 
     Steps keep the borders strictly ascending and stop on a jump of f' rather than cross it.
-    Returns (borders, iterations, final max |r|).
+    Each line search compares residuals over the same borders: those active where it starts.
+    Returns (borders, iterations, final max |r| over active borders).
     """
     t = np.asarray(borders, dtype=float).copy()
     if t.size == 0:
@@ -250,29 +251,35 @@ def refine(problem: Problem, borders: np.ndarray, max_iter: int = 100):
     g_scale = float(np.max(np.abs(problem.g(problem.grid(256)))))
     tol = 64 * _EPS * max(g_scale, 1e-300)
     state = residuals(problem, t)
-    merit = float(np.max(np.abs(state[0])))
     steps = 0
     lo, hi = problem.range
-    while steps < max_iter and merit > tol:
+    while steps < max_iter and _worst(state) > tol:
         step = _newton_step(problem, t, state)
         if step is None:
             break
+        mask = state[1]
+        merit = float(np.linalg.norm(state[0][mask]))
         for alpha in 0.5 ** np.arange(40):
             cand = _move(t, alpha * step, problem.jumps)
             if not (np.all(np.diff(cand) > 0) and cand[0] > lo and cand[-1] < hi):
                 continue
             cand_state = residuals(problem, cand)
-            cand_merit = float(np.max(np.abs(cand_state[0])))
+            cand_merit = float(np.linalg.norm(cand_state[0][mask]))
             if cand_merit < merit:
                 break
         else:
             break  # no step length helps: we are at the rounding floor
-        stalled = cand_merit > 0.5 * merit and merit < 1e3 * tol  # progress is rounding noise
-        t, state, merit = cand, cand_state, cand_merit
+        stalled = cand_merit > 0.5 * merit and _worst(state) < 1e3 * tol  # rounding noise
+        t, state = cand, cand_state
         steps += 1
         if stalled:
             break
-    return t, steps, merit
+    return t, steps, _worst(state)
+
+
+def _worst(state) -> float:
+    r, active = state[0], state[1]
+    return float(np.max(np.abs(r[active]), initial=0.0))
 
 
 def _newton_step(problem, t, state):

@@ -99,7 +99,13 @@ class Uniform:
 
 @dataclass(frozen=True, eq=False)
 class Histogram:
-    """A piecewise-constant density from recorded values: counts over ascending bin edges."""
+    """A density from recorded values, given as counts over ascending bin edges.
+
+    The density is the histogram's frequency polygon: linear between bin centres, flat from
+    the outer centres to the outer edges, scaled to integrate to 1. It is continuous inside
+    the edges, so the designer's Newton refinement sees no jumps in the density (a step
+    histogram stalls it at bin edges); each bin's mass is preserved up to the slopes' tilt.
+    """
 
     edges: np.ndarray
     counts: np.ndarray
@@ -120,20 +126,28 @@ class Histogram:
             raise ActdesignError("histogram counts must be >= 0 with a positive total")
         object.__setattr__(self, "edges", edges)
         object.__setattr__(self, "counts", counts)
-
-    @property
-    def _density(self):
-        return self.counts / (self.counts.sum() * np.diff(self.edges))
+        # The polygon's nodes and values, and its cumulative mass at each node.
+        height = counts / np.diff(edges)
+        nodes = np.concatenate([[edges[0]], 0.5 * (edges[:-1] + edges[1:]), [edges[-1]]])
+        values = np.concatenate([[height[0]], height, [height[-1]]])
+        mass = np.concatenate([[0.0], np.cumsum(0.5 * (values[1:] + values[:-1])
+                                                 * np.diff(nodes))])
+        object.__setattr__(self, "_nodes", nodes)
+        object.__setattr__(self, "_values", values / mass[-1])
+        object.__setattr__(self, "_mass", mass / mass[-1])
 
     def pdf(self, x):
         x = np.asarray(x, dtype=float)
-        k = np.searchsorted(self.edges, x, side="right") - 1
-        inside = (k >= 0) & (k < self.counts.size)
-        return np.where(inside, self._density[np.clip(k, 0, self.counts.size - 1)], 0.0)
+        inside = (x >= self.edges[0]) & (x <= self.edges[-1])
+        return np.where(inside, np.interp(x, self._nodes, self._values), 0.0)
 
     def cdf(self, x):
-        cum = np.concatenate([[0.0], np.cumsum(self.counts)]) / self.counts.sum()
-        return np.interp(np.asarray(x, dtype=float), self.edges, cum)
+        x = np.clip(np.asarray(x, dtype=float), self.edges[0], self.edges[-1])
+        k = np.clip(np.searchsorted(self._nodes, x, side="right") - 1, 0, self._nodes.size - 2)
+        x0, dx = self._nodes[k], np.diff(self._nodes)[k]
+        v0, dv = self._values[k], np.diff(self._values)[k]
+        u = x - x0
+        return self._mass[k] + v0 * u + 0.5 * dv / dx * u * u
 
     @property
     def integration_range(self):
@@ -142,14 +156,14 @@ class Histogram:
     @property
     def candidate_range(self):
         """The range between the 1e-9 and 1 - 1e-9 quantiles: lone outliers waste no grid."""
-        cdf = self.cdf(self.edges)
-        lo = float(np.interp(1e-9, cdf, self.edges))
-        hi = float(np.interp(1 - 1e-9, cdf, self.edges))
+        lo = float(np.interp(1e-9, self._mass, self._nodes))
+        hi = float(np.interp(1 - 1e-9, self._mass, self._nodes))
         return (lo, hi) if hi > lo else self.integration_range
 
     @property
     def breakpoints(self):
-        return self.edges[1:-1]
+        """The polygon's corners: quadrature pieces end there."""
+        return self._nodes[1:-1]
 
     def to_dict(self):
         d = {"type": "empirical", "edges": self.edges.tolist(), "counts": self.counts.tolist()}
@@ -159,7 +173,7 @@ class Histogram:
 
     def describe(self):
         src = f" from {self.source}" if self.source else ""
-        return f"empirical histogram{src} ({self.counts.size} bins, " \
+        return f"empirical{src} ({self.counts.size}-bin frequency polygon, " \
                f"[{self.edges[0]:g}, {self.edges[-1]:g}])"
 
     @classmethod

@@ -275,3 +275,27 @@ def test_default_grid_reaches_the_same_optimum_as_a_finer_one(name, weight, bits
     np.testing.assert_allclose(default.borders, finer.borders, atol=1e-9)
     scale = np.max(np.abs(act.df(np.linspace(-8, 8, 1001))))
     assert max(default.stationarity, finer.stationarity) <= 1e-12 * scale
+
+
+def test_histogram_density_is_a_continuous_normalised_polygon():
+    rng = np.random.default_rng(2)
+    hist = Histogram.from_values(rng.gamma(2.0, size=20_000))
+    lo, hi = hist.integration_range
+    inner = [lo, *hist.breakpoints, hi]
+    assert _quad(lambda x: float(hist.pdf(np.array([x]))[0]), inner) == pytest.approx(1, rel=1e-9)
+    for x in rng.uniform(lo, hi, 5):
+        below = [lo, *hist.breakpoints[hist.breakpoints < x], x]
+        mass = _quad(lambda v: float(hist.pdf(np.array([v]))[0]), below)
+        assert float(hist.cdf(np.array([x]))[0]) == pytest.approx(mass, rel=1e-9, abs=1e-15)
+    # Continuous inside the edges: no jump at any corner.
+    corners = hist.breakpoints
+    step = 1e-9 * (hi - lo)
+    np.testing.assert_allclose(hist.pdf(corners - step), hist.pdf(corners + step), rtol=1e-6,
+                               atol=1e-9 * hist.pdf(corners).max())
+
+
+def test_empirical_weights_refine_to_rounding_at_high_bits():
+    hist = Histogram.from_values(np.random.default_rng(0).standard_t(4, 200_000))
+    for name in ("gelu", "hardswish"):
+        fit = fit_stepwise(resolve(name), 7, hist)
+        assert fit.stationarity <= 1e-13 and fit.error < fit.grid_error
