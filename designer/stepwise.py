@@ -268,7 +268,7 @@ def refine(problem: Problem, borders: np.ndarray, max_iter: int = 100):
             if cand_merit < merit:
                 break
         else:
-            break  # no step length helps: we are at the rounding floor
+            break  # no step length helps: rounding floor, or a nearly singular Jacobian
         stalled = cand_merit > 0.5 * merit and _worst(state) < 1e3 * tol  # rounding noise
         t, state = cand, cand_state
         steps += 1
