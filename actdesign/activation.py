@@ -23,36 +23,41 @@ class Builtin:
     formula: str
     summary: str
     aliases: tuple[str, ...] = ()
+    torch: str = ""  # torch's own implementation, as code in `x`; empty: print the formula
 
 
 # Formulas follow torch.nn's defaults (leaky_relu slope 0.01, elu/celu alpha 1, selu's
 # constants, hardtanh on [-1, 1]).
 BUILTINS: tuple[Builtin, ...] = (
-    Builtin("relu", "max(x, 0)", "rectified linear unit"),
-    Builtin("leaky_relu", "where(x >= 0, x, 0.01*x)", "leaky ReLU, negative slope 0.01"),
-    Builtin("relu6", "clip(x, 0, 6)", "ReLU capped at 6"),
-    Builtin("elu", "where(x > 0, x, exp(x) - 1)", "exponential linear unit, alpha 1"),
-    Builtin("celu", "where(x > 0, x, exp(x/1.0) - 1)", "continuously differentiable ELU, alpha 1"),
+    Builtin("relu", "max(x, 0)", "rectified linear unit", torch="F.relu(x)"),
+    Builtin("leaky_relu", "where(x >= 0, x, 0.01*x)", "leaky ReLU, negative slope 0.01",
+            torch="F.leaky_relu(x)"),
+    Builtin("relu6", "clip(x, 0, 6)", "ReLU capped at 6", torch="F.relu6(x)"),
+    Builtin("elu", "where(x > 0, x, exp(x) - 1)", "exponential linear unit, alpha 1",
+            torch="F.elu(x)"),
+    Builtin("celu", "where(x > 0, x, exp(x/1.0) - 1)", "continuously differentiable ELU, alpha 1",
+            torch="F.celu(x)"),
     Builtin("selu",
             "1.0507009873554804934193349852946*where(x > 0, x, "
             "1.6732632423543772848170429916717*(exp(x) - 1))",
-            "scaled ELU"),
+            "scaled ELU", torch="F.selu(x)"),
     Builtin("gelu", "0.5*x*(1 + erf(x/sqrt(2)))", "Gaussian error linear unit (erf form)",
-            ("gelu_erf",)),
+            ("gelu_erf",), torch="F.gelu(x)"),
     Builtin("gelu_tanh", "0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x**3)))",
-            "GELU, tanh approximation", ("gelu_new", "gelu_pytorch_tanh")),
+            "GELU, tanh approximation", ("gelu_new", "gelu_pytorch_tanh"),
+            torch="F.gelu(x, approximate='tanh')"),
     Builtin("quick_gelu", "x*sigmoid(1.702*x)", "GELU, sigmoid approximation"),
-    Builtin("silu", "x*sigmoid(x)", "sigmoid linear unit", ("swish",)),
-    Builtin("mish", "x*tanh(softplus(x))", "Mish"),
-    Builtin("sigmoid", "sigmoid(x)", "logistic sigmoid"),
-    Builtin("tanh", "tanh(x)", "hyperbolic tangent"),
-    Builtin("softplus", "softplus(x)", "log(1 + exp(x))"),
-    Builtin("softsign", "x/(1 + abs(x))", "softsign"),
-    Builtin("logsigmoid", "-softplus(-x)", "log(sigmoid(x))"),
-    Builtin("tanhshrink", "x - tanh(x)", "x - tanh(x)"),
-    Builtin("hardswish", "x*clip(x + 3, 0, 6)/6", "hard swish"),
-    Builtin("hardsigmoid", "clip(x + 3, 0, 6)/6", "hard sigmoid"),
-    Builtin("hardtanh", "clip(x, -1, 1)", "hard tanh on [-1, 1]"),
+    Builtin("silu", "x*sigmoid(x)", "sigmoid linear unit", ("swish",), torch="F.silu(x)"),
+    Builtin("mish", "x*tanh(softplus(x))", "Mish", torch="F.mish(x)"),
+    Builtin("sigmoid", "sigmoid(x)", "logistic sigmoid", torch="torch.sigmoid(x)"),
+    Builtin("tanh", "tanh(x)", "hyperbolic tangent", torch="torch.tanh(x)"),
+    Builtin("softplus", "softplus(x)", "log(1 + exp(x))", torch="F.softplus(x)"),
+    Builtin("softsign", "x/(1 + abs(x))", "softsign", torch="F.softsign(x)"),
+    Builtin("logsigmoid", "-softplus(-x)", "log(sigmoid(x))", torch="F.logsigmoid(x)"),
+    Builtin("tanhshrink", "x - tanh(x)", "x - tanh(x)", torch="F.tanhshrink(x)"),
+    Builtin("hardswish", "x*clip(x + 3, 0, 6)/6", "hard swish", torch="F.hardswish(x)"),
+    Builtin("hardsigmoid", "clip(x + 3, 0, 6)/6", "hard sigmoid", torch="F.hardsigmoid(x)"),
+    Builtin("hardtanh", "clip(x, -1, 1)", "hard tanh on [-1, 1]", torch="F.hardtanh(x)"),
     Builtin("squared_relu", "max(x, 0)**2", "squared ReLU", ("relu2",)),
 )
 _BY_NAME = {b.name: b for b in BUILTINS} | {a: b for b in BUILTINS for a in b.aliases}
@@ -98,6 +103,11 @@ class Activation:
     def breakpoints(self, lo: float, hi: float) -> np.ndarray:
         """Where f' may jump or kink inside [lo, hi]."""
         return _expr.breakpoints(self.df_expr, lo, hi)
+
+    @property
+    def torch_code(self) -> str:
+        """torch's own implementation of a built-in as code in `x`; "" when there is none."""
+        return _BY_NAME[self.name].torch if self.name else ""
 
     def to_dict(self) -> dict:
         return {"name": self.name} if self.name else {"expr": self.formula}

@@ -1,0 +1,121 @@
+"""Render a spec into a self-contained op module: Triton kernels, a torch path and a custom op.
+
+Only validated numbers from the spec become code, as exact float literals. The activation's
+code comes from the registry (torch's own function) or from printing its sympy tree. The spec
+itself is embedded as JSON text in a string literal: data, never code.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import re
+from importlib import resources
+
+import jinja2
+import numpy as np
+
+from actdesign import __version__
+from actdesign import spec as spec_mod
+from actdesign.errors import ActdesignError
+from actdesign.files import write_atomic
+
+from .printers import TORCH, TRITON, Code, literal, print_code
+
+RENDERABLE_KINDS = ("stepwise",)
+_F32_MAX = float(np.finfo(np.float32).max)
+_SAFE_LABEL = re.compile(r"[A-Za-z0-9_ .,*+\-/()<>=]+")
+
+
+def render(source) -> str:
+    """The op module's source for a spec (a path, a dict or a Spec), deterministically."""
+    spec = spec_mod.load(source)
+    if spec.kind not in RENDERABLE_KINDS:
+        raise ActdesignError(f"cannot generate kernels for a {spec.kind!r} spec")
+    for name, values in (("border", spec.borders), ("level", spec.levels)):
+        if max(abs(v) for v in values) > _F32_MAX:
+            raise ActdesignError(f"a {name} of this spec lies outside the float32 range")
+    act = spec.resolve_activation()
+    label = act.name or str(act.f_expr)  # printed from the parsed tree, not the spec's text
+    if not _SAFE_LABEL.fullmatch(label):
+        raise ActdesignError(f"cannot name the activation {label!r} in generated code")
+    triton_f = print_code(act.f_expr, TRITON)
+    torch_f = Code((), act.torch_code, ()) if act.torch_code else print_code(act.f_expr, TORCH)
+    context = {
+        "version": __version__,
+        "kind": spec.kind,
+        "bits": spec.bits,
+        "label": label,
+        "op_name": op_name(spec, label, triton_f, torch_f),
+        "spec_json": _string_lines(json.dumps(spec.to_dict(), sort_keys=True)),
+        "borders": [literal(v) for v in spec.borders],
+        "borders_f32": [literal(_ceil_float32(v)) for v in spec.borders],
+        "levels": [literal(v) for v in spec.levels],
+        "tuple": _tuple_lines,
+        "bytes_pow2": 1 << (spec.bits - 1).bit_length(),
+        "triton_f": triton_f,
+        "torch_f": torch_f,
+    }
+    source_text = _environment().get_template("fewbit_ops.py.jinja").render(context)
+    try:
+        ast.parse(source_text)
+    except SyntaxError as exc:  # a template bug, never user input: say where
+        raise ActdesignError(
+            f"generated code does not parse (line {exc.lineno}): {exc.msg}") from None
+    return source_text
+
+
+def write(source, path) -> str:
+    """Render a spec and write the module to `path` atomically; returns the source."""
+    text = render(source)
+    write_atomic(path, text)
+    return text
+
+
+def op_name(spec, label: str, triton_f: Code, torch_f: Code) -> str:
+    """A torch.library name unique to everything that shapes the generated code."""
+    payload = json.dumps([__version__, spec.kind, spec.bits, label, spec.borders, spec.levels,
+                          triton_f.lines, triton_f.result, torch_f.lines, torch_f.result])
+    digest = hashlib.sha256(payload.encode()).hexdigest()[:12]
+    tag = re.sub(r"\W", "_", label) if label.isidentifier() else "expr"
+    return f"fewbit_{tag}_{spec.bits}b_{digest}"
+
+
+def _string_lines(text: str, width: int = 88) -> str:
+    """`text` as adjacent string literals, broken after ", "; repr() escapes every character."""
+    chunks, line = [], ""
+    for piece in re.split(r"(?<=, )", text):
+        if line and len(line) + len(piece) > width:
+            chunks.append(line)
+            line = ""
+        line += piece
+    chunks.append(line)
+    return "\n".join(f"    {chunk!r}" for chunk in chunks)
+
+
+def _tuple_lines(literals: list[str], width: int = 92) -> str:
+    """Float literals as the body of a tuple, wrapped to lines of at most `width`."""
+    lines, line = [], ""
+    for item in literals:
+        if line and len(line) + len(item) + 2 > width:
+            lines.append(line)
+            line = ""
+        line += item + ", "
+    lines.append(line)
+    return "\n".join("    " + ln.rstrip() for ln in lines)
+
+
+def _ceil_float32(v: float) -> float:
+    """The smallest float32 >= v (v within the float32 range)."""
+    f = np.float32(v)
+    if float(f) < v:
+        f = np.nextafter(f, np.float32(np.inf))
+    return float(f)
+
+
+def _environment() -> jinja2.Environment:
+    root = resources.files("actdesign.templates")
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)),
+                              undefined=jinja2.StrictUndefined, autoescape=False,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
