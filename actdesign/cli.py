@@ -1,7 +1,7 @@
 """The `actdesign` command. Commands parse, call the library and print; nothing more.
 
 Errors a user can cause print one line on stderr and exit with code 2, without a traceback.
-torch and triton are never imported by `list`, `fit` or `show`.
+torch and triton are never imported by `list`, `fit`, `show` or `gen-kernel`.
 """
 
 from __future__ import annotations
@@ -112,6 +112,32 @@ def show(spec_file, plot):
     if plot:
         report.plot(spec, plot)
         click.echo(f"\nwrote {plot}")
+
+
+@cli.command("gen-kernel")
+@click.argument("spec_file", metavar="SPEC", type=click.Path(dir_okay=False))
+@click.option("--out", "-o", type=click.Path(dir_okay=False), metavar="FILE.py",
+              help="Write the module here [SPEC's directory, <name>_ops.py].")
+def gen_kernel(spec_file, out):
+    """Generate a self-contained op module (Triton kernels, torch op, nn.Module) from SPEC."""
+    import re
+    from pathlib import Path
+
+    from .codegen.render import write
+    from .files import check_writable
+    from .spec import load
+
+    if out is None:
+        stem = re.sub(r"\W", "_", Path(spec_file).stem)
+        out = str(Path(spec_file).with_name(f"{stem}_ops.py"))
+    elif not out.endswith(".py"):
+        raise ActdesignError(f"--out {out!r} must end in .py, so Python can import it")
+    spec = load(spec_file)
+    check_writable(out)
+    write(spec, out)
+    click.echo(f"wrote {out}: {spec.bits}-bit codes, {spec.bits / 8:g} bytes per element saved "
+               "for backward")
+    click.echo(f"use it: import {Path(out).stem}  (or actdesign.runtime.load({spec_file!r}))")
 
 
 def main(argv=None) -> None:

@@ -54,8 +54,11 @@ def render(source) -> str:
         "levels": [literal(v) for v in spec.levels],
         "tuple": _tuple_lines,
         "bytes_pow2": 1 << (spec.bits - 1).bit_length(),
+        "pack_terms": _pack_terms(spec.bits),
+        "unpack_terms": _unpack_terms(spec.bits),
         "triton_f": triton_f,
         "torch_f": torch_f,
+        "torch_native": bool(act.torch_code),
     }
     source_text = _environment().get_template("fewbit_ops.py.jinja").render(context)
     try:
@@ -104,6 +107,26 @@ def _tuple_lines(literals: list[str], width: int = 92) -> str:
         line += item + ", "
     lines.append(line)
     return "\n".join("    " + ln.rstrip() for ln in lines)
+
+
+def _pack_terms(bits: int) -> list[list[str]]:
+    """For each of the `bits` bytes of a group, the codes' bits it holds, as expressions of
+    `u`: the group's 8 codes, one byte each (code j in bits [8j, 8j+8) of u)."""
+    return [[_shifted(f"((u >> _U({8 * j})) & _MASK)" if j else "(u & _MASK)", j * bits - 8 * k)
+             for j in range(8) if -bits < j * bits - 8 * k < 8] for k in range(bits)]
+
+
+def _unpack_terms(bits: int) -> list[list[str]]:
+    """For each code j of a group, the bytes holding its bits, as expressions of p0, p1, ...:
+    the group's `bits` bytes."""
+    return [[_shifted(f"p{k}", 8 * k - j * bits) for k in range(bits)
+             if -8 < 8 * k - j * bits < bits] for j in range(8)]
+
+
+def _shifted(value: str, shift: int) -> str:
+    if shift == 0:
+        return value
+    return f"({value} << _U({shift}))" if shift > 0 else f"({value} >> _U({-shift}))"
 
 
 def _ceil_float32(v: float) -> float:
