@@ -1,0 +1,43 @@
+"""Shared set-up. Triton runs its kernels on CPU tensors in the interpreter, which must be
+switched on before Triton is first imported; generated modules go to a per-session cache."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from scipy.stats import norm  # noqa: E402
+
+
+def synthetic_spec(activation="gelu", bits=3, seed=0) -> dict:
+    """A valid spec without running the designer: normal-quantile borders, distinct levels."""
+    rng = np.random.default_rng(seed)
+    k = 2**bits
+    borders = norm.ppf(np.arange(1, k) / k) * 1.3
+    levels = np.sort(rng.uniform(-0.2, 1.2, k))
+    act = {"name": activation} if activation.isidentifier() else {"expr": activation}
+    return {"format": "actdesign.spec/1", "kind": "stepwise", "bits": bits, "activation": act,
+            "borders": [float(v) for v in borders], "levels": [float(v) for v in levels],
+            "objective": {"weight": {"type": "normal", "mean": 0.0, "std": 1.0}}}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    os.environ["ACTDESIGN_CACHE_DIR"] = str(tmp_path_factory.mktemp("ops-cache"))
+
+
+@pytest.fixture(scope="session")
+def make_spec():
+    return synthetic_spec
+
+
+@pytest.fixture(scope="session")
+def ops_for():
+    """The loaded op module of a synthetic spec, memoized by the runtime."""
+    from actdesign import runtime
+
+    def load(activation="gelu", bits=3, seed=0):
+        return runtime.load(synthetic_spec(activation, bits, seed))
+
+    return load
