@@ -32,7 +32,8 @@ TRITON = Dialect(
                "sin": "tl.sin({0})", "cos": "tl.cos({0})", "erf": "tl.erf({0})",
                "sigmoid": "tl.sigmoid({0})", "Abs": "tl.abs({0})", "tanh": "_tanh({0})",
                "sinh": "_sinh({0})", "cosh": "_cosh({0})", "atan": "_atan({0})",
-               "erfc": "_erfc({0})", "softplus": "_softplus({0})"},
+               "erfc": "_erfc({0})", "softplus": "_softplus({0})", "expm1": "_expm1({0})",
+               "log1p": "_log1p({0})"},
     where="tl.where({0}, {1}, {2})",
     power="tl.exp({1} * tl.log({0}))",
     helpers={"_tanh": ("_expm1",), "_sinh": ("_expm1",), "_cosh": (), "_atan": (),
@@ -45,7 +46,8 @@ TORCH = Dialect(
                "erfc": "torch.erfc({0})", "sigmoid": "torch.sigmoid({0})",
                "Abs": "torch.abs({0})", "tanh": "torch.tanh({0})", "sinh": "torch.sinh({0})",
                "cosh": "torch.cosh({0})", "atan": "torch.atan({0})",
-               "softplus": "torch.logaddexp({0}, torch.zeros_like({0}))"},
+               "softplus": "torch.logaddexp({0}, torch.zeros_like({0}))",
+               "expm1": "torch.expm1({0})", "log1p": "torch.log1p({0})"},
     where="torch.where({0}, {1}, {2})",
     power="torch.pow({0}, {1})",
 )
@@ -107,21 +109,43 @@ class _Printer:
                 raise self.fail(e)
             return str(e)
         if isinstance(e, sp.Add):
-            return "(" + " + ".join(self.expr(a) for a in e.args) + ")"
+            return self.sum(e)
         if isinstance(e, sp.Mul):
             return self.product(e)
         if isinstance(e, sp.Pow):
             return self.power(e.base, e.exp)
         if isinstance(e, sp.Piecewise):
             return self.piecewise(e)
+        if isinstance(e, sp.core.relational.Relational | sp.logic.boolalg.BooleanFunction):
+            return self.condition(e)  # cse may name a condition
+        if isinstance(e, sp.log) and isinstance(e.args[0], sp.Add) and sp.S.One in e.args[0].args:
+            return self.call("log1p", e.args[0] - 1)  # log(1 + a) loses a when |a| is tiny
         name = type(e).__name__
         if isinstance(e, sp.Function) and name in self.dialect.functions and len(e.args) == 1:
-            template = self.dialect.functions[name]
-            helper = template.split("(")[0]
-            if helper in self.dialect.helpers:
-                self.used.add(helper)
-            return template.format(self.atom(e.args[0]))
+            return self.call(name, e.args[0])
         raise self.fail(e)
+
+    def call(self, name: str, arg) -> str:
+        template = self.dialect.functions[name]
+        helper = template.split("(")[0]
+        if helper in self.dialect.helpers:
+            self.used.add(helper)
+        return template.format(self.atom(arg))
+
+    def sum(self, e: sp.Add) -> str:
+        terms = list(e.args)
+        # c*exp(a) - c is c*expm1(a): exact near a = 0, where exp(a) - 1 cancels (elu, selu).
+        constant = next((t for t in terms if t.is_number), None)
+        for t in terms:
+            coef, rest = t.as_coeff_Mul()
+            if constant is not None and isinstance(rest, sp.exp) and constant + coef == 0:
+                terms.remove(t)
+                terms.remove(constant)
+                expm1 = self.call("expm1", rest.args[0])
+                terms_code = [self.expr(a) for a in terms]
+                scaled = expm1 if coef == 1 else f"({literal(sp.N(coef, 30))} * {expm1})"
+                return "(" + " + ".join([scaled, *terms_code]) + ")"
+        return "(" + " + ".join(self.expr(a) for a in terms) + ")"
 
     def product(self, e: sp.Mul) -> str:
         coef, factors = e.as_coeff_mul()  # exact constants folded into one number
@@ -183,6 +207,12 @@ class _Printer:
             return "(" + op.join(self.condition(a) for a in c.args) + ")"
         if isinstance(c, sp.Not):
             return f"(~{self.condition(c.args[0])})"
+        if isinstance(c, sp.Symbol) and c in self.names:
+            return str(c)
+        if isinstance(c, sp.logic.boolalg.BooleanFunction):  # e.g. ITE from cse
+            nnf = c.to_nnf()
+            if nnf != c:
+                return self.condition(nnf)
         raise self.fail(c)
 
     def helper_order(self) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from .printers import TORCH, TRITON, Code, literal, print_code
 
 RENDERABLE_KINDS = ("stepwise",)
 _F32_MAX = float(np.finfo(np.float32).max)
-_SAFE_LABEL = re.compile(r"[A-Za-z0-9_ .,*+\-/()<>=]+")
+_SAFE_LABEL = re.compile(r"[A-Za-z0-9_ .,*+\-/()<>=&|~]+")  # what sympy prints; no quotes
 
 
 def render(source) -> str:

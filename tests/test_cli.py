@@ -92,6 +92,40 @@ def test_errors_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypatch, cas
     assert list(tmp_path.iterdir()) == []  # no output, partial or otherwise
 
 
+def test_gen_kernel(capsys, tmp_path, monkeypatch):
+    spec_file = tmp_path / "gelu-2.json"
+    assert run(capsys, "fit", "gelu", "--bits", "2", "--out", str(spec_file))[0] == 0
+    code, out, err = run(capsys, "gen-kernel", str(spec_file))
+    assert code == 0 and err == ""
+    assert f"wrote {tmp_path / 'gelu_2_ops.py'}" in out and "0.25 bytes per element" in out
+    code, _, _ = run(capsys, "gen-kernel", str(spec_file), "--out", str(tmp_path / "g_ops.py"))
+    assert code == 0
+    assert (tmp_path / "g_ops.py").read_text() == (tmp_path / "gelu_2_ops.py").read_text()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import g_ops
+
+    assert g_ops.BITS == 2 and g_ops.SPEC == json.loads(spec_file.read_text())
+
+
+def test_gen_kernel_errors_leave_files_alone(capsys, tmp_path):
+    spec_file = tmp_path / "s.json"
+    assert run(capsys, "fit", "relu", "--bits", "1", "--out", str(spec_file))[0] == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(json.loads(spec_file.read_text()) | {"bits": "1; import os"}))
+    keep = tmp_path / "keep_ops.py"
+    keep.write_text("# mine\n")
+    cases = [([str(tmp_path / "nope.json")], "not found"),
+             ([str(bad), "--out", str(keep)], "bits must be an integer"),
+             ([str(spec_file), "--out", str(tmp_path / "x.txt")], "must end in .py"),
+             ([str(spec_file), "--out", str(tmp_path / "no" / "o.py")], "does not exist"),
+             ([str(tmp_path / "keep_ops.py")], "not valid JSON")]
+    before = sorted(tmp_path.iterdir())
+    for argv, message in cases:
+        code, out, err = run(capsys, "gen-kernel", *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+    assert sorted(tmp_path.iterdir()) == before and keep.read_text() == "# mine\n"
+
+
 def test_bad_data_files(capsys, tmp_path):
     np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     (tmp_path / "garbage.npy").write_bytes(b"not numpy at all")
@@ -138,7 +172,7 @@ def test_console_script_exit_codes(tmp_path):
     assert ok.returncode == 0 and "0.1.0" in ok.stdout
 
 
-def test_fit_list_show_never_import_torch_or_triton(tmp_path):
+def test_fit_list_show_gen_kernel_never_import_torch_or_triton(tmp_path):
     """A finder that records any attempt to import torch or triton, even a guarded one."""
     result = _python(f"""
         import sys
@@ -151,7 +185,8 @@ def test_fit_list_show_never_import_torch_or_triton(tmp_path):
         sys.meta_path.insert(0, Block())
         from actdesign.cli import main
         for argv in (["list"], ["fit", "gelu", "--bits", "2", "--out", r"{tmp_path}/g.json"],
-                     ["show", r"{tmp_path}/g.json", "--plot", r"{tmp_path}/g.png"]):
+                     ["show", r"{tmp_path}/g.json", "--plot", r"{tmp_path}/g.png"],
+                     ["gen-kernel", r"{tmp_path}/g.json"]):
             try:
                 main(argv)
             except SystemExit as exc:

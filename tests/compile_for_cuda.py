@@ -1,0 +1,49 @@
+"""Compile every kernel of generated modules for CUDA targets, without a GPU.
+
+Run as a script (the test suite runs it in a fresh process, with the interpreter off):
+    python tests/compile_for_cuda.py SPEC.json [SPEC.json ...]
+Prints one line per compiled kernel; exits non-zero on the first failure.
+"""
+
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from actdesign import runtime
+
+TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
+# n and nbytes arrive as i32 below 2^31 elements and as i64 above; both must index in int64.
+VARIANTS = [("fp32", "i32"), ("fp16", "i32"), ("bf16", "i32"), ("fp32", "i64")]
+
+
+def kernels(ops, dtype, index):
+    """(name, ASTSource) for the forward and backward kernels with `index` ints (i32 or i64)."""
+    block = {"BLOCK": ops._BLOCK}
+    yield "forward", ASTSource(ops._forward_kernel, {
+        "x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "packed_ptr": "*u8", "n": index,
+        "nbytes": index, "BLOCK": "constexpr"}, constexprs=block)
+    yield "backward", ASTSource(ops._backward_kernel, {
+        "packed_ptr": "*u8", "g_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}", "n": index,
+        "nbytes": index, "BLOCK": "constexpr"}, constexprs=block)
+
+
+def main(paths):
+    for path in paths:
+        ops = runtime.load(path)
+        assert isinstance(ops._forward_kernel, triton.runtime.JITFunction), "not compiled mode"
+        for target in TARGETS:
+            for dtype, index in VARIANTS:
+                for name, source in kernels(ops, dtype, index):
+                    compiled = triton.compile(source, target=target)
+                    assert compiled.asm["cubin"], "no binary"
+                    ptr_math = re.findall(r"tt\.addptr .*", compiled.asm["ttir"])
+                    assert ptr_math and all("i64" in line for line in ptr_math), name
+                    print(f"{path} bits={ops.BITS} {name} {dtype} n:{index} "
+                          f"sm_{target.arch}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
