@@ -21,6 +21,8 @@ demo: $(STAMP)
 	$(BIN)/actdesign fit "x*sigmoid(1.702*x)" --bits 2 --weight uniform --domain -6 6 --out $(OUT)/quick2.json
 	$(BIN)/actdesign show $(OUT)/gelu3.json --plot $(OUT)/gelu3.png
 	$(BIN)/python examples/fit_tables.py
+	$(BIN)/actdesign gen-kernel $(OUT)/gelu3.json --out $(OUT)/gelu3_ops.py
+	$(BIN)/python examples/train_mlp.py $(OUT)/gelu3_ops.py
 
 test: $(STAMP)
 	$(BIN)/pytest -q
@@ -29,7 +31,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/designer.py
+	$(BIN)/python benchmarks/designer.py --quick
+	$(BIN)/python benchmarks/runtime.py --quick
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info
