@@ -65,7 +65,7 @@ def timer(device):
     return measure
 
 
-def bench(act, fn, ops, n, dtype, device, repeats):
+def bench(fn, ops, n, dtype, device, repeats):
     measure = timer(device)
     x = torch.randn(n, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(n, device=device, dtype=dtype)
@@ -114,10 +114,11 @@ def run(device, sizes, dtypes, bits_list, repeats, markdown):
             ops = runtime.load(spec.from_fit(fit_stepwise(name, bits)))
             for dtype in dtypes:
                 for n in sizes:
-                    r = bench(name, fn, ops, n, dtype, device, repeats)
+                    r = bench(fn, ops, n, dtype, device, repeats)
                     (tf, tb, ts), (of, ob, os_) = r["torch"], r["ours"]
                     totals.append((of + ob) / (tf + tb))
-                    cells = [name, str(bits), str(dtype).replace("torch.", ""), f"2^{n.bit_length() - 1}",
+                    cells = [name, str(bits), str(dtype).replace("torch.", ""),
+                             f"2^{n.bit_length() - 1}",
                              f"{tf * 1e3:.3f}", f"{of * 1e3:.3f}", f"{of / tf:.2f}",
                              f"{tb * 1e3:.3f}", f"{ob * 1e3:.3f}", f"{ob / tb:.2f}",
                              f"{(of + ob) / (tf + tb):.2f}", f"{ts:.3f}", f"{os_:.3f}"]
