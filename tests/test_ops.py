@@ -113,8 +113,11 @@ TORCH_ACTIVATIONS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_is_torchs_own_activation(ops_for, backend, name, dtype):
     ops = ops_for(name, bits=2)
-    x = torch.linspace(-8, 8, 1001, dtype=dtype)
-    assert torch.equal(ops.apply(x), TORCH_ACTIVATIONS[name](x))
+    x = torch.linspace(-8, 8, 1001, dtype=dtype, requires_grad=True)
+    expected = TORCH_ACTIVATIONS[name](x.detach())
+    assert torch.equal(ops.apply(x), expected)
+    with torch.no_grad():  # the plain activation: no codes
+        assert torch.equal(ops.apply(x), expected)
 
 
 @pytest.mark.parametrize("formula", ["x*sigmoid(1.702*x)", "max(x, 0)**2", "atan(x)*x",
@@ -125,13 +128,14 @@ def test_expression_forward_is_accurate(ops_for, backend, formula, dtype):
     from actdesign.activation import resolve
 
     ops = ops_for(formula, bits=2)
-    x = torch.linspace(-6, 6, 997, dtype=torch.float64).to(dtype)
-    exact = torch.from_numpy(resolve(formula).f(x.double().numpy()))
+    x = torch.linspace(-6, 6, 997, dtype=torch.float64).to(dtype).requires_grad_(True)
+    exact = torch.from_numpy(resolve(formula).f(x.detach().double().numpy()))
     # Computed in float32 (float64 for float64), then rounded once to the dtype.
     eps = torch.finfo(dtype).eps
     compute_eps = 2.0**-52 if dtype == torch.float64 else 2.0**-23
-    tol = (eps + 64 * compute_eps) * (exact.abs() + x.double().abs() + 1)
-    assert ((ops.apply(x).double() - exact).abs() <= tol).all()
+    tol = (eps + 64 * compute_eps) * (exact.abs() + x.detach().double().abs() + 1)
+    for y in (ops.apply(x), ops.apply(x.detach())):  # with codes, and the plain activation
+        assert ((y.detach().double() - exact).abs() <= tol).all()
 
 
 def test_autograd_shapes_and_strides(ops_for, backend):
@@ -173,7 +177,7 @@ def test_non_float_inputs_get_a_clear_error(ops_for, bad):
 def test_unknown_backend_is_refused(ops_for, monkeypatch):
     monkeypatch.setenv("ACTDESIGN_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="ACTDESIGN_BACKEND must be"):
-        ops_for(bits=3).apply(torch.ones(3))
+        ops_for(bits=3).apply(torch.ones(3, requires_grad=True))
 
 
 @pytest.mark.parametrize("bits", [1, 3, 7])
@@ -193,6 +197,17 @@ def test_backward_saves_only_the_packed_codes(ops_for, backend, bits):
     assert codes.dtype == torch.uint8 and codes.numel() == math.ceil(1001 * bits / 8)
     assert codes.untyped_storage().nbytes() == math.ceil(1001 * bits / 8)
     assert [t.data_ptr() for t in y.grad_fn.saved_tensors] == [codes.data_ptr()]
+
+
+def test_without_autograd_nothing_is_saved_or_packed(ops_for, monkeypatch):
+    ops = ops_for(bits=3)
+    calls = []
+    monkeypatch.setattr(ops, "_forward_op", lambda x: calls.append(x))
+    x = torch.randn(100, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(ops.apply(x), F.gelu(x))
+    assert torch.equal(ops.apply(x.detach()), F.gelu(x.detach()))
+    assert calls == []
 
 
 def test_the_input_is_not_kept_alive(ops_for, backend):
