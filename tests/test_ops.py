@@ -79,6 +79,20 @@ def test_codes_count_the_borders_exactly(ops_for, backend, bits, dtype):
     assert y.dtype == dtype and y.shape == x.shape
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_codes_with_borders_crowded_closer_than_bfloat16_spacing(make_spec, backend, dtype):
+    """Many borders inside one bucket of the float32 table (same top 16 bits) and between
+    neighbouring 16-bit values."""
+    data = make_spec("gelu", 8)
+    data["borders"] = sorted(float(v) for v in np.r_[np.linspace(-3, 0.99, 60),
+                                                     1 + np.linspace(0, 0.01, 150)[1:],
+                                                     np.linspace(1.02, 4, 46)])
+    ops = runtime.load(data)
+    x = torch.cat([probe(ops, dtype), 1 + torch.rand(5000, dtype=torch.float64) * 0.012])
+    x = x.to(dtype)
+    assert bytes(ops._forward_op(x)[1].tolist()) == bitstream(exact_codes(ops, x), 8)
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_odd_sizes_pack_like_the_reference(ops_for, backend, n):
     ops = ops_for(bits=3)
