@@ -81,7 +81,7 @@ def op_name(spec, label: str, triton_f: Code, torch_f: Code) -> str:
     payload = json.dumps([__version__, spec.kind, spec.bits, label, spec.borders, spec.levels,
                           triton_f.lines, triton_f.result, torch_f.lines, torch_f.result])
     digest = hashlib.sha256(payload.encode()).hexdigest()[:12]
-    tag = re.sub(r"\W", "_", label) if label.isidentifier() else "expr"
+    tag = label if label.isidentifier() else "expr"
     return f"fewbit_{tag}_{spec.bits}b_{digest}"
 
 
