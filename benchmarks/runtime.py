@@ -2,7 +2,8 @@
 
 For each activation, size and dtype: forward and backward time (median), their ratio to
 torch, and the bytes saved for backward per element (torch keeps the input; we keep b bits).
-CPU runs the numba kernels; CUDA, when present, the Triton kernels, with achieved bandwidth.
+CPU runs the numba kernels; CUDA, when present, the Triton kernels, with achieved bandwidth
+and a bit-for-bit check of their codes and gradients against the CPU reference.
 
 Run: .venv/bin/python benchmarks/runtime.py [--quick] [--markdown] [--device cpu|cuda|all]
 """
@@ -78,6 +79,17 @@ def bench(fn, ops, n, dtype, device, repeats):
     return row
 
 
+def exact_on_device(ops, n, dtype, device) -> bool:
+    """The device kernels give the CPU reference's codes and gradients, bit for bit."""
+    x = torch.randn(n, device=device, dtype=dtype) * 2
+    g = torch.randn(n, device=device, dtype=dtype)
+    y, packed = ops._forward_op(x)
+    _, packed_ref = ops._forward_torch(x.cpu())
+    dx_ref = ops._backward_torch(packed_ref, g.cpu())
+    return torch.equal(packed.cpu(), packed_ref) and torch.equal(
+        ops._backward_op(packed, g).cpu(), dx_ref)
+
+
 def bandwidth_gbs(n, itemsize, bits, fwd, bwd):
     """Achieved GB/s: forward reads x, writes y and codes; backward reads codes and g, writes dx."""
     moved_fwd = n * (2 * itemsize + bits / 8)
@@ -102,7 +114,7 @@ def run(device, sizes, dtypes, bits_list, repeats, markdown):
               "torch bwd ms", "ours bwd ms", "bwd ratio", "fwd+bwd ratio", "saved B/elem torch",
               "saved B/elem ours"]
     if device == "cuda":
-        header += ["fwd GB/s", "bwd GB/s"]
+        header += ["fwd GB/s", "bwd GB/s", "exact"]
     line = (lambda cells: "| " + " | ".join(cells) + " |") if markdown else (
         lambda cells: "  ".join(f"{c:>11}" for c in cells))
     print(line(header))
@@ -124,7 +136,8 @@ def run(device, sizes, dtypes, bits_list, repeats, markdown):
                              f"{(of + ob) / (tf + tb):.2f}", f"{ts:.3f}", f"{os_:.3f}"]
                     if device == "cuda":
                         gf, gb = bandwidth_gbs(n, torch.finfo(dtype).bits // 8, bits, of, ob)
-                        cells += [f"{gf:.0f}", f"{gb:.0f}"]
+                        exact = exact_on_device(ops, n, dtype, device)
+                        cells += [f"{gf:.0f}", f"{gb:.0f}", "yes" if exact else "NO"]
                     print(line(cells), flush=True)
     print(f"\nmedian fwd+bwd ratio over {len(totals)} rows: {statistics.median(totals):.2f} "
           f"(max {max(totals):.2f})")
