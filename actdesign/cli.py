@@ -52,19 +52,25 @@ def _weight(spec: str, mean: float | None, std: float | None, domain):
 @click.argument("activation")
 @click.option("--bits", "-b", type=click.IntRange(1, 8), required=True,
               help="Bits per element: the table has 2^bits levels.")
-@click.option("--kind", type=click.Choice(["stepwise"]), default="stepwise", show_default=True,
-              help="What to fit: an optimal step function for f'.")
-@click.option("--weight", "-w", default="normal", show_default=True,
+@click.option("--kind", type=click.Choice(["stepwise", "pwl"]), default="stepwise",
+              show_default=True,
+              help="stepwise: the optimal step function for f'. pwl: the best piecewise-linear "
+                   "h~ = L(x) + sum a_i max(x - c_i, 0) for f itself (bits 1..4).")
+@click.option("--weight", "-w",
               help="Input distribution: normal, uniform (with --domain) or empirical:FILE "
-                   "(.npy of recorded values, or .npz with 'edges' and 'counts').")
+                   "(.npy of recorded values, or .npz with 'edges' and 'counts'). Default: "
+                   "normal for stepwise; for pwl, unweighted on [-B, B] (see --tail-tol).")
+@click.option("--tail-tol", type=float, default=1e-10, show_default=True,
+              help="pwl, unweighted: B is set so the tails beyond ±B add less than this.")
 @click.option("--mean", type=float, help="Mean of the normal weight [0].")
 @click.option("--std", type=float, help="Standard deviation of the normal weight [1].")
 @click.option("--domain", type=(float, float), metavar="L R", help="Uniform weight on [L, R].")
 @click.option("--grid", type=int, help="Candidate-grid cells for the exact stage "
                                        "[max(2048, 32 * 2^bits)].")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), help="Write the spec here.")
-def fit(activation, bits, kind, weight, mean, std, domain, grid, out):
-    """Fit an optimal few-bit derivative table for ACTIVATION.
+def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out):
+    """Fit an optimal few-bit table for ACTIVATION: a step function for f' (stepwise), or a
+    piecewise-linear f whose derivative is one (pwl).
 
     ACTIVATION is a built-in name (see 'actdesign list') or an expression in x, such as
     "x*sigmoid(1.702*x)".
@@ -73,12 +79,19 @@ def fit(activation, bits, kind, weight, mean, std, domain, grid, out):
     from .activation import resolve
     from .designer import fit_stepwise
     from .files import check_writable
-    from .report import describe
 
     act = resolve(activation)
-    w = _weight(weight, mean, std, domain)
+    if kind == "pwl" and grid is not None:
+        raise ActdesignError("--grid applies to --kind stepwise only")
+    unweighted = kind == "pwl" and (weight, mean, std, domain) == (None,) * 4
+    w = None if unweighted else _weight(weight or "normal", mean, std, domain)
     if out:
         check_writable(out)
+    if kind == "pwl":
+        from .designer.pwl import fit_pwl
+
+        _report(spec_mod.from_pwl(fit_pwl(act, bits, w, tail_tol)), out)
+        return
     long_fit = bits >= 6 or (grid or 0) > 8192
     if long_fit and sys.stderr.isatty():
         with click.progressbar(length=2**bits - 1, label="optimal grid partition",
@@ -86,7 +99,13 @@ def fit(activation, bits, kind, weight, mean, std, domain, grid, out):
             result = fit_stepwise(act, bits, w, grid, lambda done, total: bar.update(1))
     else:
         result = fit_stepwise(act, bits, w, grid)
-    spec = spec_mod.from_fit(result)
+    _report(spec_mod.from_fit(result), out)
+
+
+def _report(spec, out):
+    from . import spec as spec_mod
+    from .report import describe
+
     if out:
         spec_mod.save(spec, out)
     click.echo(describe(spec, out))

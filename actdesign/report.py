@@ -25,9 +25,18 @@ def describe(spec: Spec, origin: str | None = None) -> str:
     mass = np.diff(weight.cdf(edges))
     title = f"{origin}: " if origin else ""
     formula = "" if act.name is None else f" = {act.formula}"
+    grid = f"; grid {spec.objective['grid']} cells" if "grid" in spec.objective else ""
     lines = [f"{title}{spec.kind} table, {spec.bits} bit(s), {act.label}{formula}",
-             f"weight: {weight.describe()}; grid {spec.objective.get('grid', '?')} cells"]
+             f"weight: {weight.describe()}{grid}"]
     err = spec.error
+    if spec.pwl is not None:
+        (alpha, beta), (gamma, delta) = spec.pwl["left"], spec.pwl["right"]
+        lines.append(f"h~(x) = {alpha:g} + {beta:g}*x + sum a_i max(x - c_i, 0); asymptotes "
+                     f"{alpha:g} + {beta:g}x (left), {gamma:g} + {delta:g}x (right)")
+        lines.append(f"a = {', '.join(f'{v:.10g}' for v in spec.pwl['a'])}")
+        if "objective" in err:
+            lines.append(f"objective ∫ (h - h~)² w = {err['objective']:.8e}; "
+                         f"max |h - h~| = {err.get('max_abs', float('nan')):.4e}")
     if "E" in err:
         parts = [f"E = {err['E']:.6e}"]
         if "relative" in err:
@@ -56,8 +65,6 @@ def plot(spec: Spec, path) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    from .files import write_atomic
-
     act = spec.resolve_activation()
     weight = _weight(spec)
     borders = np.array(spec.borders)
@@ -70,6 +77,9 @@ def plot(spec: Spec, path) -> None:
     x = np.union1d(np.linspace(lo, hi, 4001), np.concatenate([inner, inner + 1e-9 * span]))
     g = act.df(x)
     q = levels[np.searchsorted(borders, x, side="right")]
+    if spec.pwl is not None:
+        _plot_pwl(spec, act, x, g, q, inner, path)
+        return
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})
     top.plot(x, g, color="black", lw=1.5, label="f'(x)")
@@ -90,6 +100,36 @@ def plot(spec: Spec, path) -> None:
     bottom.axhline(0, color="gray", lw=0.5)
     bottom.set_ylabel("f'(x) - q(x)")
     bottom.set_xlabel("x")
+    _save(fig, path)
+
+
+def _plot_pwl(spec: Spec, act, x, g, q, inner, path) -> None:
+    """h and h~ on top; h' and the step h~' below."""
+    from matplotlib import pyplot as plt
+
+    alpha, beta = spec.pwl["left"]
+    c, a = np.array(spec.pwl["c"]), np.array(spec.pwl["a"])
+    approx = alpha + beta * x + np.maximum(x[:, None] - c, 0.0) @ a
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(x, act.f(x), color="black", lw=1.5, label="h(x)")
+    top.plot(x, approx, color="tab:red", lw=1.2, label=f"h~(x), {c.size} kinks")
+    top.set_title(f"{act.label}: {spec.bits}-bit piecewise-linear fit, objective "
+                  f"{spec.error.get('objective', float('nan')):.3e}", fontsize=9)
+    bottom.plot(x, g, color="black", lw=1.5, label="h'(x)")
+    bottom.step(x, q, where="post", color="tab:red", lw=1.2, label="h~'(x) (the levels)")
+    for ax in (top, bottom):
+        for b in inner:
+            ax.axvline(b, color="tab:red", lw=0.4, alpha=0.4)
+        ax.legend(loc="best", fontsize=8)
+    bottom.set_xlabel("x")
+    _save(fig, path)
+
+
+def _save(fig, path) -> None:
+    from matplotlib import pyplot as plt
+
+    from .files import write_atomic
+
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

@@ -31,10 +31,10 @@ from .errors import ActdesignError
 from .files import write_atomic
 
 FORMAT = "actdesign.spec/1"
-KINDS = ("stepwise",)
+KINDS = ("stepwise", "pwl")
 MAX_BITS = 8
 _TOP_KEYS = {"format", "kind", "bits", "activation", "borders", "levels", "objective", "error",
-             "provenance"}
+             "provenance", "pwl"}
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,16 @@ class Spec:
     objective: dict
     error: dict
     provenance: dict
+    pwl: dict | None = None  # kind "pwl": {"a", "c", "left": [α, β], "right": [γ, δ]}
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "kind": self.kind, "bits": self.bits,
-                "activation": dict(self.activation), "borders": list(self.borders),
-                "levels": list(self.levels), "objective": self.objective,
-                "error": self.error, "provenance": self.provenance}
+        out = {"format": FORMAT, "kind": self.kind, "bits": self.bits,
+               "activation": dict(self.activation), "borders": list(self.borders),
+               "levels": list(self.levels), "objective": self.objective,
+               "error": self.error, "provenance": self.provenance}
+        if self.pwl is not None:
+            out["pwl"] = self.pwl
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
@@ -66,15 +70,34 @@ def from_fit(fit) -> Spec:
     error = {"E": fit.error, "relative": fit.relative_error, "reference": fit.reference,
              "quadrature_bound": fit.error_estimate, "grid_E": fit.grid_error,
              "stationarity": fit.stationarity}
-    now = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
     return validate({
         "format": FORMAT, "kind": "stepwise", "bits": fit.bits,
         "activation": fit.activation.to_dict(),
         "borders": [float(v) for v in fit.borders], "levels": [float(v) for v in fit.levels],
         "objective": {"weight": fit.weight.to_dict(), "grid": fit.grid_size},
         "error": {k: float(v) for k, v in error.items()},
-        "provenance": {"actdesign": __version__, "created": now},
+        "provenance": _provenance(),
     })
+
+
+def from_pwl(fit) -> Spec:
+    """The spec of a piecewise-linear fit (a PwlFit): borders = c, levels = β + cumsum(a)."""
+    return validate({
+        "format": FORMAT, "kind": "pwl", "bits": fit.bits,
+        "activation": fit.activation.to_dict(),
+        "borders": [float(v) for v in fit.borders], "levels": [float(v) for v in fit.levels],
+        "objective": {"weight": fit.weight.to_dict()},
+        "error": {"objective": fit.objective, "quadrature_bound": fit.objective_estimate,
+                  "max_abs": fit.max_abs},
+        "pwl": {"a": [float(v) for v in fit.coefficients], "c": [float(v) for v in fit.knots],
+                "left": [float(v) for v in fit.left], "right": [float(v) for v in fit.right]},
+        "provenance": _provenance(),
+    })
+
+
+def _provenance() -> dict:
+    now = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return {"actdesign": __version__, "created": now}
 
 
 def validate(data, origin: str = "spec") -> Spec:
@@ -83,7 +106,7 @@ def validate(data, origin: str = "spec") -> Spec:
     v.require(isinstance(data, dict), "", "must be a JSON object")
     unknown = sorted(set(data) - _TOP_KEYS)
     v.require(not unknown, "", f"unknown field(s) {', '.join(unknown)}")
-    missing = sorted(_TOP_KEYS - set(data) - {"error", "provenance"})
+    missing = sorted(_TOP_KEYS - set(data) - {"error", "provenance", "pwl"})
     v.require(not missing, "", f"missing field(s) {', '.join(missing)}")
     fmt = data["format"]
     v.require(fmt == FORMAT, "format", f"is {fmt!r}; this actdesign reads {FORMAT!r}")
@@ -111,8 +134,28 @@ def validate(data, origin: str = "spec") -> Spec:
     prov = data.get("provenance", {})
     v.require(isinstance(prov, dict) and all(isinstance(x, str) for x in prov.values()),
               "provenance", "must be an object of strings")
+    pwl = _pwl(v, data.get("pwl"), borders, levels) if data["kind"] == "pwl" else None
+    v.require(data["kind"] == "pwl" or "pwl" not in data, "pwl", "belongs to kind pwl only")
     return Spec(data["kind"], bits, dict(act), tuple(borders), tuple(levels), objective,
-                dict(error), dict(prov))
+                dict(error), dict(prov), pwl)
+
+
+def _pwl(v: _Validator, pwl, borders, levels) -> dict:
+    """h~ = α + βx + Σ a_i max(x - c_i, 0): c must be the borders, and the levels β + cumsum(a)."""
+    v.require(isinstance(pwl, dict) and set(pwl) == {"a", "c", "left", "right"}, "pwl",
+              "kind pwl needs a pwl object with exactly a, c, left and right")
+    a = v.numbers(pwl["a"], "pwl.a", len(borders))
+    c = v.numbers(pwl["c"], "pwl.c", len(borders))
+    _, beta = v.numbers(pwl["left"], "pwl.left", 2)
+    v.numbers(pwl["right"], "pwl.right", 2)
+    v.require(c == borders, "pwl.c", "must equal borders")
+    expected = [beta]
+    for coefficient in a:  # the running sum, as the designer forms it
+        expected.append(expected[-1] + coefficient)
+    scale = 1.0 + max(abs(x) for x in expected)
+    v.require(all(abs(x - y) <= 1e-12 * scale for x, y in zip(levels, expected, strict=True)),
+              "levels", "must be pwl.left[1] plus the running sums of pwl.a")
+    return pwl
 
 
 def _objective(v: _Validator, obj) -> dict:
@@ -125,8 +168,8 @@ def _objective(v: _Validator, obj) -> dict:
         v.require(set(w) == {"type", "mean", "std"}, path, "normal needs exactly mean and std")
         v.number(w["mean"], f"{path}.mean")
         v.require(v.number(w["std"], f"{path}.std") > 0, f"{path}.std", "must be > 0")
-    elif kind == "uniform":
-        v.require(set(w) == {"type", "domain"}, path, "uniform needs exactly domain")
+    elif kind in ("uniform", "flat"):
+        v.require(set(w) == {"type", "domain"}, path, f"{kind} needs exactly domain")
         lo, hi = v.numbers(w["domain"], f"{path}.domain", 2)
         v.require(lo < hi, f"{path}.domain", "needs L < R")
     elif kind == "empirical":
@@ -141,7 +184,7 @@ def _objective(v: _Validator, obj) -> dict:
                   "must be >= 0 with a positive total")
         v.require(isinstance(w.get("source", ""), str), f"{path}.source", "must be a string")
     else:
-        v.require(False, f"{path}.type", "must be normal, uniform or empirical")
+        v.require(False, f"{path}.type", "must be normal, uniform, flat or empirical")
     if "grid" in obj:
         v.integer(obj["grid"], "objective.grid", 1, 2**20)
     v.require(set(obj) <= {"weight", "grid"}, "objective", "has unknown fields")

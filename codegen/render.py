@@ -23,7 +23,7 @@ from actdesign.files import write_atomic
 
 from .printers import TORCH, TRITON, Code, literal, print_code
 
-RENDERABLE_KINDS = ("stepwise",)
+RENDERABLE_KINDS = ("stepwise", "pwl")  # both end as borders and levels
 _F32_MAX = float(np.finfo(np.float32).max)
 _SAFE_LABEL = re.compile(r"[A-Za-z0-9_ .,*+\-/()<>=&|~]+")  # what sympy prints; no quotes
 

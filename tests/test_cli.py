@@ -78,6 +78,9 @@ ERROR_CASES = {
     "small grid": ["fit", "tanh", "--bits", "8", "--grid", "10"],
     "unknown option": ["fit", "tanh", "--bits", "2", "--colour", "red"],
     "missing spec": ["show", "nope.json"],
+    "pwl with grid": ["fit", "gelu", "--kind", "pwl", "--bits", "2", "--grid", "100"],
+    "pwl bits": ["fit", "gelu", "--kind", "pwl", "--bits", "5"],
+    "pwl no asymptote": ["fit", "x**2", "--kind", "pwl", "--bits", "2"],
 }
 
 
@@ -90,6 +93,20 @@ def test_errors_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypatch, cas
     assert err.startswith("actdesign: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and out == ""
     assert list(tmp_path.iterdir()) == []  # no output, partial or otherwise
+
+
+def test_fit_pwl_show_and_gen_kernel(capsys, tmp_path):
+    out_file = tmp_path / "regelu2.json"
+    code, out, err = run(capsys, "fit", "gelu", "--kind", "pwl", "--bits", "2", "--out",
+                         str(out_file))
+    assert code == 0 and err == "" and "pwl table, 2 bit(s), gelu" in out
+    data = json.loads(out_file.read_text())
+    assert data["kind"] == "pwl" and data["borders"] == data["pwl"]["c"]
+    assert data["objective"]["weight"]["type"] == "flat"
+    code, out, _ = run(capsys, "show", str(out_file), "--plot", str(tmp_path / "r.png"))
+    assert code == 0 and "objective" in out
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    assert run(capsys, "gen-kernel", str(out_file))[0] == 0
 
 
 def test_gen_kernel(capsys, tmp_path, monkeypatch):
