@@ -84,7 +84,8 @@ def test_expression_text_never_reaches_the_source(make_spec):
     ({"activation": {"name": "os.system"}}, "unknown activation"),
     ({"activation": {"expr": "__import__('os').system('true')"}}, "names with '__'"),
     ({"activation": {"expr": "x.__class__"}}, "not allowed"),
-    ({"kind": "pwl"}, "kind must be one of"),
+    ({"kind": "quantized"}, "kind must be one of"),
+    ({"kind": "pwl"}, "needs a pwl object"),
     ({"borders": [1e39] * 7}, "strictly ascending"),
     ({"levels": [1e39] * 8}, "outside the float32 range"),
 ])
