@@ -60,7 +60,16 @@ def render(source) -> str:
         "torch_f": torch_f,
         "torch_native": bool(act.torch_code),
     }
-    source_text = _environment().get_template("fewbit_ops.py.jinja").render(context)
+    return _parsed(_environment().get_template("fewbit_ops.py.jinja").render(context))
+
+
+def render_norms() -> str:
+    """The MS-norm module's source: kernels and ops of MS-LayerNorm and MS-RMSNorm."""
+    return _parsed(_environment().get_template("ms_norm_ops.py.jinja").render(
+        version=__version__))
+
+
+def _parsed(source_text: str) -> str:
     try:
         ast.parse(source_text)
     except SyntaxError as exc:  # a template bug, never user input: say where

@@ -5,6 +5,8 @@
     act = ops.Module()                   # drop-in activation module
 """
 
-from .cache import cache_dir, load
+from .cache import cache_dir, load, load_source
+from .norms import MSLayerNorm, MSRMSNorm, fold_norm_affine, norm_ops
 
-__all__ = ["cache_dir", "load"]
+__all__ = ["MSLayerNorm", "MSRMSNorm", "cache_dir", "fold_norm_affine", "load", "load_source",
+           "norm_ops"]

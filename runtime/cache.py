@@ -45,17 +45,25 @@ def load(source) -> ModuleType:
     spec = spec_mod.load(source)
     memo = spec.to_json()
     with _LOCK:
-        if memo in _BY_SPEC:
-            return _BY_SPEC[memo]
-        text = render(spec)
-        key = hashlib.sha256("\0".join((text, __version__, _triton_version())).encode())
-        key = key.hexdigest()[:24]
-        if key not in _BY_KEY:
-            path = cache_dir() / f"ops_{key}.py"
-            _ensure_file(path, text)
-            _BY_KEY[key] = _import(path, f"actdesign_ops_{key}")
-        _BY_SPEC[memo] = _BY_KEY[key]
-        return _BY_KEY[key]
+        if memo not in _BY_SPEC:
+            _BY_SPEC[memo] = _load_source(render(spec))
+        return _BY_SPEC[memo]
+
+
+def load_source(text: str) -> ModuleType:
+    """A rendered module's source: written to the cache once, imported once."""
+    with _LOCK:
+        return _load_source(text)
+
+
+def _load_source(text: str) -> ModuleType:
+    key = hashlib.sha256("\0".join((text, __version__, _triton_version())).encode())
+    key = key.hexdigest()[:24]
+    if key not in _BY_KEY:
+        path = cache_dir() / f"ops_{key}.py"
+        _ensure_file(path, text)
+        _BY_KEY[key] = _import(path, f"actdesign_ops_{key}")
+    return _BY_KEY[key]
 
 
 def _triton_version() -> str:

@@ -1,7 +1,8 @@
 """Compile every kernel of generated modules for CUDA targets, without a GPU.
 
 Run as a script (the test suite runs it in a fresh process, with the interpreter off):
-    python tests/compile_for_cuda.py SPEC.json [SPEC.json ...]
+    python tests/compile_for_cuda.py [--norms] SPEC.json [SPEC.json ...]
+--norms also compiles the MS-norm kernels.
 Prints one line per compiled kernel; exits non-zero on the first failure.
 """
 
@@ -30,7 +31,36 @@ def kernels(ops, dtype, index):
         "nbytes": index, "BLOCK": "constexpr"}, constexprs=block)
 
 
+def norm_kernels(ops, dtype):
+    for rms in (False, True):
+        yield f"norm rms={rms} forward", ASTSource(ops._forward_kernel, {
+            "x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "d": "i32",
+            "eps": "fp32", "RMS": "constexpr", "BLOCK": "constexpr"},
+            constexprs={"RMS": rms, "BLOCK": 1024})
+        yield f"norm rms={rms} backward", ASTSource(ops._backward_kernel, {
+            "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "g_ptr": f"*{dtype}",
+            "dx_ptr": f"*{dtype}", "d": "i32", "RMS": "constexpr", "BLOCK": "constexpr"},
+            constexprs={"RMS": rms, "BLOCK": 1024})
+
+
+def compile_norms():
+    ops = runtime.norm_ops()
+    for target in TARGETS:
+        for dtype, _ in VARIANTS[:3]:
+            for name, source in norm_kernels(ops, dtype):
+                compiled = triton.compile(source, target=target)
+                assert compiled.asm["cubin"], "no binary"
+                # A row's start is an int64 scalar offset; columns within a row are < BLOCK.
+                rows = re.findall(r"tt\.addptr %\w+, %\w+ : !tt\.ptr<\w+>, (\w+)",
+                                  compiled.asm["ttir"])
+                assert rows and set(rows) == {"i64"}, name
+                print(f"{name} {dtype} sm_{target.arch}: ok", flush=True)
+
+
 def main(paths):
+    if paths and paths[0] == "--norms":
+        compile_norms()
+        paths = paths[1:]
     for path in paths:
         ops = runtime.load(path)
         assert isinstance(ops._forward_kernel, triton.runtime.JITFunction), "not compiled mode"

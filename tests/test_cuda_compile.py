@@ -1,4 +1,5 @@
-"""Tier 3: every generated kernel compiles for sm_80 and sm_90 without a GPU.
+"""Tier 3: every generated kernel (few-bit ops, MS norms) compiles for sm_80 and sm_90
+without a GPU.
 
 The interpreter runs Python, so it lets through what the compiler refuses (types, layouts,
 non-constexpr globals) and it never runs the libdevice branches. This compiles them for real.
@@ -27,7 +28,7 @@ def test_every_kernel_compiles_for_cuda_targets(make_spec, tmp_path):
         paths[-1].write_text(json.dumps(data))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["ACTDESIGN_CACHE_DIR"] = str(tmp_path / "cache")
-    halves = [paths[0::2], paths[1::2]]  # two processes: compiling is CPU-bound
+    halves = [["--norms", *paths[0::2]], paths[1::2]]  # two processes: it is CPU-bound
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), *map(str, half)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for half in halves]
@@ -35,4 +36,6 @@ def test_every_kernel_compiles_for_cuda_targets(make_spec, tmp_path):
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
     lines = "".join(out for out, _ in results).splitlines()
-    assert len(lines) == len(specs) * 2 * 4 * 2 and all(line.endswith(": ok") for line in lines)
+    norms = 2 * 3 * 4  # targets, dtypes, kernels (layer and rms, forward and backward)
+    assert len(lines) == len(specs) * 2 * 4 * 2 + norms
+    assert all(line.endswith(": ok") for line in lines)

@@ -1,0 +1,127 @@
+"""Memory-sharing norms (MS-BP) as modules, and folding a norm's affine into the Linear layers
+that follow it.
+
+An MS norm has no affine parameters and keeps, for its backward, only its output y and one
+rstd per row. The Linear layers reading y keep that same tensor for their weight gradient, so
+y is stored once. Under autocast the norm emits y in the autocast dtype, the dtype those
+Linear layers compute in, so autocast makes no second copy.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from actdesign.codegen.render import render_norms
+from actdesign.errors import ActdesignError
+
+from .cache import load_source
+
+_LOCK = threading.Lock()
+_MODULE = []
+
+
+def norm_ops():
+    """The generated MS-norm module (kernels and ops), rendered and imported once."""
+    with _LOCK:
+        if not _MODULE:
+            _MODULE.append(load_source(render_norms()))
+    return _MODULE[0]
+
+
+class _MSNorm(nn.Module):
+    kind = ""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5):
+        super().__init__()
+        if isinstance(normalized_shape, tuple | list):
+            if len(normalized_shape) != 1:
+                raise ValueError("MS norms normalise over the last dimension only")
+            (normalized_shape,) = normalized_shape
+        self.normalized_shape = int(normalized_shape)
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1:] != (self.normalized_shape,):
+            raise ValueError(f"{type(self).__name__}({self.normalized_shape}) got an input of "
+                             f"shape {tuple(x.shape)}")
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else x.dtype
+        return norm_ops().apply(self.kind, x, self.eps, out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+
+class MSLayerNorm(_MSNorm):
+    """y = (x - mean) / sqrt(var + eps) over the last dimension; saves y and rstd only."""
+
+    kind = "layer"
+
+
+class MSRMSNorm(_MSNorm):
+    """y = x / sqrt(mean(x²) + eps) over the last dimension; saves y and rstd only."""
+
+    kind = "rms"
+
+
+def fold_norm_affine(norm: nn.Module, linears, *, feeds_residual: bool = False) -> _MSNorm:
+    """Move a LayerNorm's or RMSNorm's γ (and β) into the Linear layers that read its output,
+    exactly: W' = W·diag(γ), b' = b + W·β. Returns the MS norm to put in the norm's place.
+
+    `linears` must be every consumer of the norm's output (the q/k/v projections of a pre-norm
+    attention block, the first MLP layer). In a post-norm block the output also feeds the
+    residual, which would lose γ and β: say so with `feeds_residual=True`, and the fold is
+    refused rather than producing a different model. Linear weights shared with other modules
+    (tied weights) change with the fold.
+    """
+    if feeds_residual:
+        raise ActdesignError("this norm's output also feeds the residual (a post-norm block): "
+                             "its γ and β cannot move into the Linear layers alone; keep the "
+                             "norm, or use a pre-norm block")
+    kind, d, eps, gamma, beta = _affine(norm)
+    linears = list(linears)
+    if not linears or not all(isinstance(m, nn.Linear) for m in linears):
+        raise ActdesignError("fold_norm_affine needs the nn.Linear layers that read the norm")
+    for m in linears:
+        if m.in_features != d:
+            raise ActdesignError(f"a Linear with {m.in_features} inputs cannot follow a norm "
+                                 f"over {d} features")
+    with torch.no_grad():
+        for m in linears:
+            if beta is not None:
+                shift = m.weight.double() @ beta.double()
+                if m.bias is None:
+                    m.bias = nn.Parameter(shift.to(m.weight.dtype))
+                else:
+                    m.bias.add_(shift.to(m.bias.dtype))
+            if gamma is not None:
+                m.weight.mul_(gamma.to(m.weight.dtype)[None, :])
+    return (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps).to(
+        linears[0].weight.device)
+
+
+def _affine(norm: nn.Module):
+    """(kind, features, eps, γ or None, β or None) of a supported norm."""
+    if isinstance(norm, nn.LayerNorm):
+        shape, eps, kind = norm.normalized_shape, norm.eps, "layer"
+    elif isinstance(norm, nn.RMSNorm) or (type(norm).__name__.endswith("RMSNorm")
+                                          and not type(norm).__name__.startswith("Gemma")
+                                          and hasattr(norm, "weight")):
+        weight = norm.weight
+        shape = tuple(weight.shape) if weight is not None else tuple(norm.normalized_shape)
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
+        if eps is None:  # nn.RMSNorm's default
+            eps = torch.finfo(weight.dtype if weight is not None else torch.float32).eps
+        kind = "rms"
+    else:
+        raise ActdesignError(f"cannot fold a {type(norm).__name__}: supported are nn.LayerNorm, "
+                             "nn.RMSNorm and RMSNorm modules computing x·rsqrt(mean(x²)+eps)·w")
+    if len(shape) != 1:
+        raise ActdesignError("MS norms normalise over the last dimension only")
+    gamma = getattr(norm, "weight", None)
+    beta = getattr(norm, "bias", None) if kind == "layer" else None
+    return kind, shape[0], float(eps), gamma, beta
