@@ -33,6 +33,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/designer.py --quick
 	$(BIN)/python benchmarks/runtime.py --quick
+	$(BIN)/python benchmarks/pwl.py
+	$(BIN)/python benchmarks/transformer_block.py --quick
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info
