@@ -98,32 +98,12 @@ class Uniform:
 
 
 @dataclass(frozen=True)
-class Flat:
+class Flat(Uniform):
     """The unweighted objective on [low, high]: density 1 there, not normalised."""
-
-    low: float
-    high: float
-
-    def __post_init__(self):
-        if not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high):
-            raise ActdesignError(f"bad domain [{self.low}, {self.high}]: need finite L < R")
 
     def pdf(self, x):
         x = np.asarray(x, dtype=float)
         return np.where((x >= self.low) & (x <= self.high), 1.0, 0.0)
-
-    def cdf(self, x):  # the share of the domain, for reports
-        return np.clip((np.asarray(x, dtype=float) - self.low) / (self.high - self.low), 0, 1)
-
-    @property
-    def integration_range(self):
-        return (self.low, self.high)
-
-    candidate_range = integration_range
-
-    @property
-    def breakpoints(self):
-        return np.empty(0)
 
     def to_dict(self):
         return {"type": "flat", "domain": [self.low, self.high]}
