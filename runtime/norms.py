@@ -100,8 +100,7 @@ def fold_norm_affine(norm: nn.Module, linears, *, feeds_residual: bool = False) 
                     m.bias.add_(shift.to(m.bias.dtype))
             if gamma is not None:
                 m.weight.mul_(gamma.to(m.weight.dtype)[None, :])
-    return (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps).to(
-        linears[0].weight.device)
+    return (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps)  # no parameters to move
 
 
 def _affine(norm: nn.Module):
