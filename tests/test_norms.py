@@ -184,3 +184,20 @@ def test_opcheck(kind):
     torch.library.opcheck(forward, (x, 1e-5, torch.float32))
     y, rstd = forward(x.detach(), 1e-5, torch.float32)
     torch.library.opcheck(backward, (y, rstd, torch.randn(4, 3, 16)))
+
+
+def test_torch_compile_of_a_folded_block_matches_eager():
+    torch.manual_seed(1)
+    block = Block()
+    block.ln1 = fold_norm_affine(block.ln1, [block.q, block.k, block.v])
+    block.ln2 = fold_norm_affine(block.ln2, [block.fc1])
+    x = torch.randn(2, 5, 32)
+    results = []
+    for model in (block, torch.compile(block)):
+        block.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = model(xi)
+        y.square().sum().backward()
+        results.append((y.detach(), xi.grad, block.q.weight.grad.clone()))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
