@@ -166,6 +166,7 @@ class Problem:
         s, k = c.shape
         m0, m1, m2, p0, p1 = np.moveaxis(self.tails(c), -1, 0)
         ci, cj = c[:, :, None], c[:, None, :]
+        # G_ij = ∫ (x - c_i)(x - c_j) w over x > max(c_i, c_j): moments taken at the later knot.
         later = np.where(cj >= ci, np.arange(k)[None, None, :], np.arange(k)[None, :, None])
         pick = np.take_along_axis
         idx = np.broadcast_to(later, (s, k, k)).reshape(s, k * k)
@@ -181,7 +182,8 @@ class Problem:
             try:
                 sol = np.linalg.solve(kkt, vec[..., None])[..., 0]
             except np.linalg.LinAlgError:
-                sol = np.stack([_lstsq(m, v) for m, v in zip(kkt, vec, strict=True)])
+                sol = np.stack([np.linalg.lstsq(m, v, rcond=None)[0]
+                                for m, v in zip(kkt, vec, strict=True)])
         a = sol[:, :k]
         value = self.base - 2 * np.einsum("sk,sk->s", a, rhs) + np.einsum(
             "si,sij,sj->s", a, gram, a)
@@ -190,10 +192,6 @@ class Problem:
 
     def objective(self, knots) -> float:
         return float(self.solve(np.asarray(knots, dtype=float)[None, :])[1][0])
-
-
-def _lstsq(m, v):
-    return np.linalg.lstsq(m, v, rcond=None)[0]
 
 
 def fit_pwl(activation: Activation | str, bits: int, weight=None,
