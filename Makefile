@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/runtime.py --quick
 	$(BIN)/python benchmarks/pwl.py
 	$(BIN)/python benchmarks/transformer_block.py --quick
+	$(BIN)/python benchmarks/allocate.py
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info
