@@ -7,6 +7,8 @@
 
 from .cache import cache_dir, load, load_source
 from .norms import MSLayerNorm, MSRMSNorm, fold_norm_affine, norm_ops
+from .pooled import PooledConv2d
+from .sparse import SparseConv2d, SparseLinear
 
-__all__ = ["MSLayerNorm", "MSRMSNorm", "cache_dir", "fold_norm_affine", "load", "load_source",
-           "norm_ops"]
+__all__ = ["MSLayerNorm", "MSRMSNorm", "PooledConv2d", "SparseConv2d", "SparseLinear",
+           "cache_dir", "fold_norm_affine", "load", "load_source", "norm_ops"]
