@@ -69,6 +69,11 @@ def render_norms() -> str:
         version=__version__))
 
 
+def render_actnn() -> str:
+    """The ActNN module's source: group quantization kernels and their torch path."""
+    return _parsed(_environment().get_template("actnn_ops.py.jinja").render(version=__version__))
+
+
 def _parsed(source_text: str) -> str:
     try:
         ast.parse(source_text)

@@ -2,7 +2,7 @@
 
 Run as a script (the test suite runs it in a fresh process, with the interpreter off):
     python tests/compile_for_cuda.py [--norms] SPEC.json [SPEC.json ...]
---norms also compiles the MS-norm kernels.
+--norms also compiles the MS-norm and the ActNN quantization kernels.
 Prints one line per compiled kernel; exits non-zero on the first failure.
 """
 
@@ -43,17 +43,33 @@ def norm_kernels(ops, dtype):
             constexprs={"RMS": rms, "BLOCK": 1024})
 
 
+def actnn_kernels(ops, dtype):
+    yield "actnn quantize", ASTSource(ops._quantize_kernel, {
+        "x_ptr": f"*{dtype}", "bits_ptr": "*i8", "offsets_ptr": "*i64", "packed_ptr": "*u8",
+        "lo_ptr": "*fp32", "range_ptr": "*fp32", "m": "i32", "groups": "i32",
+        "seed_mix": "i64", "G": "constexpr"}, constexprs={"G": 256})
+    if dtype == "fp32":
+        yield "actnn dequantize", ASTSource(ops._dequantize_kernel, {
+            "packed_ptr": "*u8", "bits_ptr": "*i8", "offsets_ptr": "*i64", "lo_ptr": "*fp32",
+            "range_ptr": "*fp32", "out_ptr": "*fp32", "m": "i32", "groups": "i32",
+            "G": "constexpr"}, constexprs={"G": 256})
+
+
 def compile_norms():
-    ops = runtime.norm_ops()
+    norms, actnn = runtime.norm_ops(), runtime.actnn_ops()
     for target in TARGETS:
         for dtype, _ in VARIANTS[:3]:
-            for name, source in norm_kernels(ops, dtype):
+            kernels = [*norm_kernels(norms, dtype), *actnn_kernels(actnn, dtype)]
+            for name, source in kernels:
                 compiled = triton.compile(source, target=target)
                 assert compiled.asm["cubin"], "no binary"
-                # A row's start is an int64 scalar offset; columns within a row are < BLOCK.
-                rows = re.findall(r"tt\.addptr %\w+, %\w+ : !tt\.ptr<\w+>, (\w+)",
-                                  compiled.asm["ttir"])
-                assert rows and set(rows) == {"i64"}, name
+                # Scalar offsets (a row's or a sample's start) are int64, unless a constant;
+                # tensor offsets may be int32 only for columns within a row (< BLOCK).
+                for offset, kind in re.findall(r"tt\.addptr %\w+, (%\w+) : [^,]+, (\S+)",
+                                               compiled.asm["ttir"]):
+                    column = kind.startswith("tensor") and name.startswith("norm")
+                    assert "i64" in kind or column or re.fullmatch(r"%c\d+_i32", offset), (
+                        name, offset, kind)
                 print(f"{name} {dtype} sm_{target.arch}: ok", flush=True)
 
 

@@ -1,5 +1,5 @@
-"""Tier 3: every generated kernel (few-bit ops, MS norms) compiles for sm_80 and sm_90
-without a GPU.
+"""Tier 3: every generated kernel (few-bit ops, MS norms, ActNN quantization) compiles for
+sm_80 and sm_90 without a GPU.
 
 The interpreter runs Python, so it lets through what the compiler refuses (types, layouts,
 non-constexpr globals) and it never runs the libdevice branches. This compiles them for real.
@@ -37,5 +37,6 @@ def test_every_kernel_compiles_for_cuda_targets(make_spec, tmp_path):
         assert p.returncode == 0, err[-3000:]
     lines = "".join(out for out, _ in results).splitlines()
     norms = 2 * 3 * 4  # targets, dtypes, kernels (layer and rms, forward and backward)
-    assert len(lines) == len(specs) * 2 * 4 * 2 + norms
+    actnn = 2 * (3 + 1)  # targets, quantize for 3 dtypes and dequantize
+    assert len(lines) == len(specs) * 2 * 4 * 2 + norms + actnn
     assert all(line.endswith(": ok") for line in lines)

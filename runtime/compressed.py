@@ -1,0 +1,107 @@
+"""Linear and Conv2d layers whose weight gradient uses a compressed copy of their input.
+
+The forward and the input gradient are exact. A layer says how it compresses x for the
+backward (`compress`: x -> tensors to save) and how it restores an approximation
+(`restore`: saved tensors -> x^); the weight gradient is then computed from x^.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actdesign.errors import ActdesignError
+
+
+class _CompressedInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        y = layer.dense_forward(x, weight, bias)
+        ctx.save_for_backward(weight, *layer.compress(x.detach()))
+        ctx.layer, ctx.shape, ctx.dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        weight, *saved = ctx.saved_tensors
+        layer = ctx.layer
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = layer.input_grad(ctx.shape, weight, g)
+        if ctx.needs_input_grad[1]:
+            grad_w = layer.weight_grad(layer.restore(saved, ctx.shape, ctx.dtype), weight, g)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(tuple(i for i in range(g.dim()) if i != layer.channel_dim(g)))
+        return grad_x, grad_w, grad_b, None
+
+
+class CompressedLinear(nn.Linear):
+    """The Linear half: math, and a constructor from an nn.Linear sharing its parameters."""
+
+    def forward(self, x):
+        return _CompressedInput.apply(x, self.weight, self.bias, self)
+
+    @classmethod
+    def from_module(cls, linear: nn.Linear, **options):
+        if not isinstance(linear, nn.Linear):
+            raise ActdesignError(f"from_module needs an nn.Linear, got {type(linear).__name__}")
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                  device="meta", **options)
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    @staticmethod
+    def dense_forward(x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def input_grad(shape, weight, g):
+        return g @ weight
+
+    @staticmethod
+    def weight_grad(x, weight, g):
+        return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+
+    @staticmethod
+    def channel_dim(g):
+        return g.dim() - 1
+
+
+class CompressedConv2d(nn.Conv2d):
+    """The Conv2d half: stride, padding (numeric, zeros), dilation and groups."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.padding_mode != "zeros" or isinstance(self.padding, str):
+            raise ActdesignError(f"{type(self).__name__} supports numeric zero padding only")
+
+    def forward(self, x):
+        if x.dim() != 4:
+            raise ValueError(f"{type(self).__name__} expects (N, C, H, W), got {tuple(x.shape)}")
+        return _CompressedInput.apply(x, self.weight, self.bias, self)
+
+    @classmethod
+    def from_module(cls, conv: nn.Conv2d, **options):
+        if not isinstance(conv, nn.Conv2d):
+            raise ActdesignError(f"from_module needs an nn.Conv2d, got {type(conv).__name__}")
+        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                  conv.padding, conv.dilation, conv.groups, conv.bias is not None,
+                  conv.padding_mode, device="meta", **options)
+        new.weight, new.bias = conv.weight, conv.bias
+        return new
+
+    def dense_forward(self, x, weight, bias):
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def input_grad(self, shape, weight, g):
+        return torch.nn.grad.conv2d_input(shape, weight, g, self.stride, self.padding,
+                                          self.dilation, self.groups)
+
+    def weight_grad(self, x, weight, g):
+        return torch.nn.grad.conv2d_weight(x, weight.shape, g, self.stride, self.padding,
+                                           self.dilation, self.groups)
+
+    @staticmethod
+    def channel_dim(g):
+        return 1

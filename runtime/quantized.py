@@ -1,0 +1,91 @@
+"""ActNN-style quantized saved inputs: QLinear and QConv2d keep their input, for the weight
+gradient only, as b-bit per-sample group codes with stochastic rounding (unbiased). The
+forward and the input gradient are exact.
+
+Bits are one number for every sample, or one per sample (set `layer.bits` to a tensor of
+length N before the forward). Each call draws its own seed from the layer's generator, so a
+training run is reproducible from `torch.manual_seed`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from actdesign.codegen.render import render_actnn
+from actdesign.errors import ActdesignError
+
+from .cache import load_source
+from .compressed import CompressedConv2d, CompressedLinear
+
+_LOCK = threading.Lock()
+_MODULE = []
+
+
+def actnn_ops():
+    """The generated quantization module (Triton kernels and torch path), imported once."""
+    with _LOCK:
+        if not _MODULE:
+            _MODULE.append(load_source(render_actnn()))
+    return _MODULE[0]
+
+
+class _QuantizedInput:
+    """What QLinear and QConv2d share: bits, group size, seeds, the codes."""
+
+    def _setup(self, bits, group_size):
+        if not (isinstance(group_size, int) and group_size >= 8
+                and group_size & (group_size - 1) == 0):
+            raise ActdesignError(f"group_size must be a power of two >= 8, got {group_size!r}")
+        self.group_size = group_size
+        self.bits = bits
+        self._calls = 0
+        self._seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+    def _sample_bits(self, x):
+        bits = self.bits
+        if isinstance(bits, int):
+            if not 1 <= bits <= 8:
+                raise ActdesignError(f"bits must be in 1..8, got {bits}")
+            return torch.full((x.shape[0],), bits, dtype=torch.int8, device=x.device)
+        bits = torch.as_tensor(bits).to(device=x.device)
+        if bits.shape != (x.shape[0],) or bits.min() < 1 or bits.max() > 8:
+            raise ActdesignError(f"per-sample bits must be {x.shape[0]} values in 1..8")
+        return bits.to(torch.int8)
+
+    def compress(self, x):
+        bits = self._sample_bits(x)
+        self._calls += 1
+        seed = (self._seed + 0x9E3779B9 * self._calls) & 0xFFFFFFFF
+        packed, lo, width = actnn_ops().quantize(x.reshape(x.shape[0], -1), bits, seed,
+                                                 self.group_size)
+        return packed, lo, width, bits
+
+    def restore(self, saved, shape, dtype):
+        packed, lo, width, bits = saved
+        x = actnn_ops().dequantize(packed, lo, width, bits, math.prod(shape[1:]),
+                                   self.group_size, dtype)
+        return x.view(shape)
+
+    def extra_repr(self):
+        bits = self.bits if isinstance(self.bits, int) else "per sample"
+        return super().extra_repr() + f", bits={bits}, group_size={self.group_size}"
+
+
+class QLinear(_QuantizedInput, CompressedLinear):
+    """nn.Linear keeping its input as b-bit group codes for the weight gradient."""
+
+    def __init__(self, in_features, out_features, bias=True, *, bits=2, group_size=256,
+                 device=None, dtype=None):
+        CompressedLinear.__init__(self, in_features, out_features, bias, device, dtype)
+        self._setup(bits, group_size)
+
+
+class QConv2d(_QuantizedInput, CompressedConv2d):
+    """nn.Conv2d keeping its input as b-bit group codes for the weight gradient."""
+
+    def __init__(self, *args, bits=2, group_size=256, **kwargs):
+        CompressedConv2d.__init__(self, *args, **kwargs)
+        self._setup(bits, group_size)

@@ -1,0 +1,151 @@
+"""ActNN quantized saved inputs: layout across backends, unbiasedness, the variance model."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from actdesign.errors import ActdesignError
+from actdesign.runtime import QConv2d, QLinear, actnn_ops
+
+
+@pytest.mark.parametrize("m", [1, 7, 256, 1000])
+@pytest.mark.parametrize("group", [8, 256])
+@pytest.mark.parametrize("bits", [[1, 2, 3, 4], [5, 6, 7, 8], [3, 3, 3, 3]])
+def test_triton_kernels_match_the_torch_path(m, group, bits, monkeypatch):
+    ops = actnn_ops()
+    x = torch.randn(4, m) * torch.tensor([1.0, 10.0, 0.0, 1e-3])[:, None]
+    b = torch.tensor(bits, dtype=torch.int8)
+    out = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("ACTDESIGN_BACKEND", backend)
+        packed, lo, width = ops.quantize(x, b, 77, group)
+        out[backend] = (packed, lo, width, ops.dequantize(packed, lo, width, b, m, group,
+                                                          torch.float32))
+    for a, c in zip(out["torch"], out["triton"], strict=True):
+        assert torch.equal(a, c)
+    packed, lo, width, xh = out["torch"]
+    assert packed.numel() == sum(math.ceil(m * k / 8) for k in bits)
+    assert torch.equal(xh[2], x[2])  # a constant sample is exact
+    step = width / ((1 << b.long()) - 1)[:, None]
+    err = (xh - x).abs() / step.repeat_interleave(group, 1)[:, :m].clamp_min(1e-30)
+    assert (err[[0, 1, 3]] < 1 + 1e-4).all()  # within one step of x
+
+
+def predicted_variance(x, bits, group):
+    """Per element: step² p (1 - p), p the fractional position of x within its step."""
+    n, m = x.shape
+    grouped = torch.nn.functional.pad(x, (0, -m % group), value=float("nan")).view(n, -1, group)
+    lo = grouped.nan_to_num(float("inf")).amin(-1)
+    width = grouped.nan_to_num(float("-inf")).amax(-1) - lo
+    step = (width / (2**bits - 1)).repeat_interleave(group, 1)[:, :m]
+    pos = (x - lo.repeat_interleave(group, 1)[:, :m]) / step
+    frac = pos - pos.floor()
+    return step**2 * frac * (1 - frac)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_dequantization_is_unbiased_at_the_predicted_rate(bits):
+    torch.manual_seed(0)
+    ops = actnn_ops()
+    x = torch.randn(2, 600, dtype=torch.float64).float()
+    b = torch.full((2,), bits, dtype=torch.int8)
+    draws = 2000
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for seed in range(draws):
+        packed, lo, width = ops.quantize(x, b, seed, 256)
+        total += ops.dequantize(packed, lo, width, b, 600, 256, torch.float64)
+    mean_err = total / draws - x.double()
+    var = predicted_variance(x.double(), bits, 256)
+    # Σ (mean - x)² / Σ var/K is a chi-square over 1200 elements divided by 1200: 1 ± 0.12.
+    ratio = (mean_err**2).sum() / (var.sum() / draws)
+    assert 0.8 < ratio < 1.2
+    assert (mean_err.abs() <= 6 * (var / draws).sqrt() + 1e-6).all()
+
+
+def test_weight_gradient_variance_matches_the_model():
+    """Var[grad W] summed over W = Σ_n ||g_n||² Σ_i step² p(1-p), measured over many seeds;
+    METHODS' C/(2^b - 1)² with p(1-p) <= 1/4 bounds it."""
+    torch.manual_seed(1)
+    layer = QLinear(600, 8, bits=2)
+    x = torch.randn(4, 600)
+    g = torch.randn(4, 8)
+    draws = []
+    for _ in range(600):
+        layer.zero_grad()
+        layer(x).backward(g)
+        draws.append(layer.weight.grad.double().clone())
+    stack = torch.stack(draws)
+    measured = stack.var(0).sum()
+    per_sample = predicted_variance(x.double(), 2, 256).sum(1)
+    predicted = (g.double().square().sum(1) * per_sample).sum()
+    assert abs(measured / predicted - 1) < 0.1  # 600 draws of 4800 entries: about ±3%
+    grouped = torch.nn.functional.pad(x.double(), (0, -600 % 256), value=float("nan")).view(
+        4, -1, 256)
+    ranges = grouped.nan_to_num(float("-inf")).amax(-1) - grouped.nan_to_num(float("inf")).amin(-1)
+    model = (256 / 4 * ranges.square().sum(1) * g.double().square().sum(1)).sum() / 9
+    assert measured <= model
+    exact = g.T.double() @ x.double()
+    assert (stack.mean(0) - exact).abs().max() < 6 * stack.std(0).max() / math.sqrt(600)
+
+
+def test_forward_and_input_gradient_are_exact():
+    torch.manual_seed(2)
+    ref = nn.Linear(300, 5)
+    q = QLinear.from_module(ref, bits=1)
+    x = torch.randn(3, 7, 300)
+    g = torch.randn(3, 7, 5)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    ys = [m(xi) for m, xi in zip((ref, q), xs, strict=True)]
+    assert torch.equal(ys[0], ys[1])
+    for y in ys:
+        y.backward(g)
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("conv", [dict(kernel_size=3), dict(kernel_size=3, stride=2, padding=1),
+                                  dict(kernel_size=3, dilation=2, groups=2)])
+def test_qconv_weight_gradient_is_close_at_8_bits(conv):
+    torch.manual_seed(3)
+    ref = nn.Conv2d(4, 6, **conv)
+    q = QConv2d.from_module(ref, bits=8)
+    x = torch.randn(2, 4, 12, 12)
+    g = torch.randn_like(ref(x))
+    grads = []
+    for m in (ref, q):
+        m.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        m(xi).backward(g)
+        grads.append((xi.grad, ref.weight.grad.clone()))
+    (dx0, gw0), (dx1, gw1) = grads
+    torch.testing.assert_close(dx1, dx0, rtol=1e-5, atol=1e-5)
+    # 8 bits: each input off by at most one step, range/255, of its group.
+    assert (gw1 - gw0).abs().max() <= g.abs().sum() * (x.max() - x.min()) / 255
+
+
+def test_saved_bytes_are_codes_plus_group_stats():
+    layer = QLinear(1000, 4, bits=torch.tensor([1, 3, 8], dtype=torch.int8))
+    x = torch.randn(3, 1000, requires_grad=True)
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    groups = math.ceil(1000 / 256)
+    codes = sum(math.ceil(1000 * b / 8) for b in (1, 3, 8))
+    assert sum(storages.values()) == codes + 3 * groups * 2 * 4 + 3  # + lo, range, bits
+
+
+def test_refusals():
+    with pytest.raises(ActdesignError, match="group_size"):
+        QLinear(4, 4, group_size=100)
+    with pytest.raises(ActdesignError, match="bits must be in 1..8"):
+        QLinear(4, 4, bits=9)(torch.randn(2, 4))
+    with pytest.raises(ActdesignError, match="per-sample bits"):
+        QLinear(4, 4, bits=torch.tensor([2, 3, 4]))(torch.randn(2, 4))
