@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from actdesign.errors import ActdesignError
@@ -149,3 +150,63 @@ def test_refusals():
         QLinear(4, 4, bits=9)(torch.randn(2, 4))
     with pytest.raises(ActdesignError, match="per-sample bits"):
         QLinear(4, 4, bits=torch.tensor([2, 3, 4]))(torch.randn(2, 4))
+
+
+def small_cnn():
+    torch.manual_seed(5)
+    return nn.Sequential(QConv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         QLinear(4 * 8 * 8, 16), nn.ReLU(), QLinear(16, 10))
+
+
+def test_calibrate_per_layer_sets_exact_bits(tmp_path):
+    import json
+
+    from actdesign.designer.allocate import allocate, variance
+    from actdesign.runtime import calibrate
+
+    model = small_cnn()
+    batches = [(torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))) for _ in range(3)]
+    bits = calibrate(model, batches, avg_bits=3, stats_path=tmp_path / "stats.json",
+                     bits_path=tmp_path / "bits.json")
+    assert set(bits) == {"0", "3", "5"}
+    assert bits["0"] == model[0].bits and bits["5"] == model[5].bits
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    C = [it["C"] for it in stats["items"]]
+    w = [it["w"] for it in stats["items"]]
+    assert w == [64, 256, 16]  # elements per sample of each layer's input
+    chosen = [bits[it["name"]] for it in stats["items"]]
+    assert sum(b * s for b, s in zip(chosen, w, strict=True)) <= 3 * sum(w)
+    assert variance(C, chosen) == pytest.approx(allocate(C, w, 3.0 * sum(w)).variance)
+    x = torch.randn(8, 1, 8, 8)
+    model(x).sum().backward()  # the layers train with their new bits
+
+
+def test_calibrate_matches_the_formula_for_a_linear_layer():
+    from actdesign.runtime import calibrate
+
+    torch.manual_seed(6)
+    layer = QLinear(600, 3)
+    model = nn.Sequential(layer)
+    x, target = torch.randn(4, 600), torch.randint(0, 3, (4,))
+    calibrate(model, [(x, target)], per="sample", avg_bits=2,
+              stats_path=None)
+    out = layer(x)
+    grad = torch.autograd.grad(F.cross_entropy(out, target), out)[0]
+    grouped = F.pad(x, (0, -600 % 256), value=float("nan")).view(4, -1, 256)
+    ranges = grouped.nan_to_num(float("-inf")).amax(-1) - grouped.nan_to_num(float("inf")).amin(-1)
+    expected = 256 / 4 * ranges.square().sum(1) * grad.square().sum(1)  # K = g = P = 1
+    assert layer.bits.shape == (4,)
+    from actdesign.designer.allocate import allocate
+
+    ref = allocate(expected.double().numpy(), [600.0] * 4, 2 * 2400.0)
+    assert torch.equal(layer.bits.long(), torch.as_tensor(ref.bits))
+
+
+def test_calibrate_refusals():
+    from actdesign.runtime import calibrate
+
+    with pytest.raises(ActdesignError, match="no QLinear"):
+        calibrate(nn.Sequential(nn.Linear(2, 2)), [])
+    batch = (torch.randn(2, 1, 8, 8), torch.tensor([0, 1]))
+    with pytest.raises(ActdesignError, match="exactly one batch"):
+        calibrate(small_cnn(), [batch, batch], per="sample")
