@@ -31,11 +31,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
 	$(BIN)/python benchmarks/designer.py --quick
 	$(BIN)/python benchmarks/runtime.py --quick
 	$(BIN)/python benchmarks/pwl.py
 	$(BIN)/python benchmarks/transformer_block.py --quick
 	$(BIN)/python benchmarks/allocate.py
+	$(BIN)/python benchmarks/compressed_layers.py --quick
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info

@@ -18,7 +18,7 @@ from actdesign.codegen.render import render_actnn
 from actdesign.errors import ActdesignError
 
 from .cache import load_source
-from .compressed import CompressedConv2d, CompressedLinear
+from .compressed import CompressedConv2d, CompressedLinear, _CompressedInput
 
 _LOCK = threading.Lock()
 _MODULE = []
@@ -89,3 +89,19 @@ class QConv2d(_QuantizedInput, CompressedConv2d):
     def __init__(self, *args, bits=2, group_size=256, **kwargs):
         CompressedConv2d.__init__(self, *args, **kwargs)
         self._setup(bits, group_size)
+
+
+def qlinear(x, weight, bias=None, *, bits=2, group_size=256):
+    """F.linear whose input is kept for the weight gradient as b-bit group codes."""
+    layer = QLinear(weight.shape[1], weight.shape[0], bias is not None, bits=bits,
+                    group_size=group_size, device="meta")
+    return _CompressedInput.apply(x, weight, bias, layer)
+
+
+def qconv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, bits=2,
+            group_size=256):
+    """F.conv2d whose input is kept for the weight gradient as b-bit group codes."""
+    layer = QConv2d(weight.shape[1] * groups, weight.shape[0], weight.shape[2:], stride,
+                    padding, dilation, groups, bias is not None, bits=bits,
+                    group_size=group_size, device="meta")
+    return _CompressedInput.apply(x, weight, bias, layer)

@@ -210,3 +210,22 @@ def test_calibrate_refusals():
     batch = (torch.randn(2, 1, 8, 8), torch.tensor([0, 1]))
     with pytest.raises(ActdesignError, match="exactly one batch"):
         calibrate(small_cnn(), [batch, batch], per="sample")
+
+
+def test_functional_forms_match_the_layers():
+    from actdesign.runtime import qconv2d, qlinear
+
+    torch.manual_seed(7)
+    lin, conv = nn.Linear(300, 4), nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)
+    for fn, module, x in ((lambda x: qlinear(x, lin.weight, lin.bias, bits=8), lin,
+                           torch.randn(5, 300)),
+                          (lambda x: qconv2d(x, conv.weight, conv.bias, 2, 1, 1, 2, bits=8), conv,
+                           torch.randn(2, 4, 9, 9))):
+        y = fn(x)
+        assert torch.equal(y, module(x))
+        module.zero_grad()
+        y.square().sum().backward()
+        approx = module.weight.grad.clone()
+        module.zero_grad()
+        module(x).square().sum().backward()
+        assert (approx - module.weight.grad).abs().max() < 0.05 * module.weight.grad.abs().max()
