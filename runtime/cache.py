@@ -28,6 +28,7 @@ from actdesign.files import write_atomic
 _LOCK = threading.Lock()
 _BY_KEY: dict[str, ModuleType] = {}  # content hash -> module
 _BY_SPEC: dict[str, ModuleType] = {}  # canonical spec JSON -> module
+_GENERATED: dict = {}  # renderer -> module
 
 
 def cache_dir() -> Path:
@@ -54,6 +55,13 @@ def load_source(text: str) -> ModuleType:
     """A rendered module's source: written to the cache once, imported once."""
     with _LOCK:
         return _load_source(text)
+
+
+def generated(render) -> ModuleType:
+    """The module a renderer without arguments makes, rendered and imported once."""
+    if render not in _GENERATED:  # a race only renders twice: load_source is memoized
+        _GENERATED[render] = load_source(render())
+    return _GENERATED[render]
 
 
 def _load_source(text: str) -> ModuleType:

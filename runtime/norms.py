@@ -9,26 +9,18 @@ Linear layers compute in, so autocast makes no second copy.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
 
 from actdesign.codegen.render import render_norms
 from actdesign.errors import ActdesignError
 
-from .cache import load_source
-
-_LOCK = threading.Lock()
-_MODULE = []
+from .cache import generated
 
 
 def norm_ops():
     """The generated MS-norm module (kernels and ops), rendered and imported once."""
-    with _LOCK:
-        if not _MODULE:
-            _MODULE.append(load_source(render_norms()))
-    return _MODULE[0]
+    return generated(render_norms)
 
 
 class _MSNorm(nn.Module):

@@ -10,26 +10,19 @@ training run is reproducible from `torch.manual_seed`.
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
 from actdesign.codegen.render import render_actnn
 from actdesign.errors import ActdesignError
 
-from .cache import load_source
+from .cache import generated
 from .compressed import CompressedConv2d, CompressedLinear, _CompressedInput
-
-_LOCK = threading.Lock()
-_MODULE = []
 
 
 def actnn_ops():
     """The generated quantization module (Triton kernels and torch path), imported once."""
-    with _LOCK:
-        if not _MODULE:
-            _MODULE.append(load_source(render_actnn()))
-    return _MODULE[0]
+    return generated(render_actnn)
 
 
 class _QuantizedInput:

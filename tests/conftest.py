@@ -41,3 +41,27 @@ def ops_for():
         return runtime.load(synthetic_spec(activation, bits, seed))
 
     return load
+
+
+def saved_storages(fn, x, params=()) -> dict:
+    """{storage: bytes} of what autograd keeps for fn(x)'s backward, parameters aside, each
+    storage once."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return storages
+
+
+@pytest.fixture(scope="session")
+def saved():
+    return saved_storages

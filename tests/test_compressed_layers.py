@@ -11,20 +11,6 @@ from actdesign.runtime import PooledConv2d, SparseConv2d, SparseLinear
 from actdesign.runtime.sparse import pack_mask, unpack_mask
 
 
-def saved_bytes(fn, x, params):
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    storages = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return sum(storages.values())
-
-
 def grads(model, x, g):
     model.zero_grad()
     xi = x.clone().requires_grad_(True)
@@ -66,10 +52,10 @@ def test_pooled_conv_is_exact_on_blockwise_constant_inputs(conv, p):
             torch.testing.assert_close(v, u, rtol=1e-12, atol=1e-12)
 
 
-def test_pooled_conv_keeps_one_p_squared_of_x():
+def test_pooled_conv_keeps_one_p_squared_of_x(saved):
     conv = PooledConv2d(8, 8, 3, padding=1, p=2)
     x = torch.randn(4, 8, 16, 16, requires_grad=True)
-    nbytes = saved_bytes(conv, x, conv.parameters())
+    nbytes = sum(saved(conv, x, conv.parameters()).values())
     assert nbytes == x.numel() * 4 // 4  # avg_pool(x, 2): a quarter of x, float32
     with pytest.raises(ActdesignError, match="p must be"):
         PooledConv2d(8, 8, 3, p=0)
@@ -125,12 +111,12 @@ def test_sparse_conv_weight_grad_is_the_masked_inputs(conv):
 
 
 @pytest.mark.parametrize("int8", [False, True])
-def test_sparse_memory_is_the_mask_plus_the_kept_values(int8):
+def test_sparse_memory_is_the_mask_plus_the_kept_values(int8, saved):
     layer = SparseLinear(1000, 10, ratio=0.9, int8=int8)
     x = torch.randn(8, 1000, requires_grad=True)
     keep = math.ceil(0.1 * 1000)
     expected = 8 * 1000 // 8 + 8 * keep * (1 if int8 else 4) + (8 * 4 if int8 else 0)
-    assert saved_bytes(layer, x, layer.parameters()) == expected
+    assert sum(saved(layer, x, layer.parameters()).values()) == expected
 
 
 def test_sparse_int8_values_are_close():

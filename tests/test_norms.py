@@ -67,25 +67,9 @@ def test_triton_kernels_match_the_torch_path(kind, dtype, d, monkeypatch):
     torch.testing.assert_close(dx1.double(), dx0.double(), rtol=4 * eps, atol=4 * eps * scale)
 
 
-def saved_storages(fn, x, params):
-    """Distinct storages autograd keeps for fn(x)'s backward, parameters aside: {ptr: bytes}."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    storages = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return storages
-
-
 @pytest.mark.parametrize("kind", sorted(NORMS))
 @pytest.mark.parametrize("autocast", [False, True])
-def test_one_copy_of_y_serves_the_norm_and_every_linear(kind, autocast):
+def test_one_copy_of_y_serves_the_norm_and_every_linear(kind, autocast, saved):
     d, rows = 32, 6
     norm = NORMS[kind][0](d)
     q, k, v = (nn.Linear(d, d) for _ in range(3))
@@ -99,14 +83,14 @@ def test_one_copy_of_y_serves_the_norm_and_every_linear(kind, autocast):
                 return q(y) + k(y) + v(y)
         return run
 
-    storages = saved_storages(block(norm), x, params)
+    storages = saved(block(norm), x, params)
     itemsize = 2 if autocast else 4
     # y (once, in the dtype the Linear layers compute in) and rstd: nothing else, never x.
     # Under autocast the Linear layers also keep their weights' bfloat16 copies.
     weights = [d * d * 2] * 3 if autocast else []
     assert sorted(storages.values()) == sorted([rows * 4, rows * d * itemsize, *weights])
     baseline = nn.LayerNorm(d) if kind == "layer" else nn.RMSNorm(d)
-    more = saved_storages(block(baseline), x, params + list(baseline.parameters()))
+    more = saved(block(baseline), x, params + list(baseline.parameters()))
     assert sum(more.values()) - sum(storages.values()) >= rows * d * itemsize  # x, at least
 
 
