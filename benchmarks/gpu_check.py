@@ -1,6 +1,7 @@
-"""One short device check, for a machine with a GPU: correctness of the Triton kernels against
-the CPU reference (bit for bit where the layout promises it), and the peak memory and step
-time of a transformer block with and without the activation-side methods, in bf16 autocast.
+"""One short device check, for a machine with a GPU: correctness of the Triton kernels (few-bit
+ops, MS norms, ActNN quantization) against the CPU reference, bit for bit where the layout
+promises it, and the peak memory and step time of a transformer block with and without the
+activation-side methods, in bf16 autocast.
 
 Run: .venv/bin/python benchmarks/gpu_check.py [--device cuda|cpu]
 (On CPU it exercises the same script against the numba and torch paths.)
@@ -58,6 +59,19 @@ def check_norms(device):
     return ok
 
 
+def check_actnn(device):
+    ops = runtime.actnn_ops()
+    x = torch.randn(64, 5000)
+    bits = torch.randint(1, 9, (64,), dtype=torch.int8)
+    packed, lo, width = ops.quantize(x.to(device), bits.to(device), 7, 256)
+    ref = ops._quantize_torch(x, bits, ops.mix32(7), 256)
+    same = sum(int(torch.equal(a.cpu(), b)) for a, b in zip((packed, lo, width), ref,
+                                                                 strict=True)) == 3
+    codes = (packed.cpu() == ref[0]).float().mean().item()
+    print(f"ActNN quantize: identical to the CPU reference: {same} ({codes:.6%} of code bytes)")
+    return same
+
+
 def block_memory(device, ops):
     d, batch, seq = (1024, 8, 1024) if device == "cuda" else (256, 4, 128)
     x = torch.randn(batch, seq, d, device=device)
@@ -97,7 +111,7 @@ def main():
     device = parser.parse_args().device
     print(f"device: {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}")
     ops = runtime.load(spec.from_fit(fit_stepwise("gelu", 3)))
-    ok = check_fewbit(ops, device) & check_norms(device)
+    ok = check_fewbit(ops, device) & check_norms(device) & check_actnn(device)
     block_memory(device, ops)
     print("all exact checks passed" if ok else "SOME CHECKS FAILED")
     sys.exit(0 if ok else 1)
