@@ -9,10 +9,9 @@ Run: .venv/bin/python benchmarks/allocate.py [--markdown]
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
+from measure import median_time, table
 
 from actdesign.designer.allocate import allocate, greedy_heap, variance
 
@@ -23,37 +22,24 @@ WEIGHTS = {
 }
 
 
-def timed(fn, repeats):
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     header = ["weights", "items", "exact s", "greedy s", "exact variance", "greedy / exact",
               "core raises"]
-    row = (lambda cells: "| " + " | ".join(cells) + " |") if args.markdown else (
-        lambda cells: f"{cells[0]:<16}" + "".join(f"{c:>16}" for c in cells[1:]))
-    print(row(header))
-    if args.markdown:
-        print(row(["---"] * len(header)))
+    row = table(header, args.markdown, first=16)
     allocate(np.ones(2), np.ones(2), 4.0)  # compile once
     for name, make in WEIGHTS.items():
         for n in (1_000, 10_000, 100_000):
             rng = np.random.default_rng(n)
             C, w = rng.lognormal(0, 2, n), make(rng, n)
             budget = 2.0 * w.sum()
-            t_exact, result = timed(lambda C=C, w=w, b=budget: allocate(C, w, b), 3)
-            t_greedy, bits = timed(lambda C=C, w=w, b=budget: greedy_heap(C, w, b), 1)
+            t_exact, result = median_time(lambda C=C, w=w, b=budget: allocate(C, w, b), 3)
+            t_greedy, bits = median_time(lambda C=C, w=w, b=budget: greedy_heap(C, w, b), 1)
             ratio = variance(C, bits) / result.variance
-            print(row([name, f"{n:,}", f"{t_exact:.3f}", f"{t_greedy:.3f}",
-                       f"{result.variance:.8e}", f"{ratio:.8f}", str(result.core)]), flush=True)
+            row([name, f"{n:,}", f"{t_exact:.3f}", f"{t_greedy:.3f}",
+                       f"{result.variance:.8e}", f"{ratio:.8f}", str(result.core)])
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from measure import saved_storages, table
 from torch import nn
 
 from actdesign.runtime import PooledConv2d, QConv2d, QLinear, SparseLinear, calibrate
@@ -64,25 +65,18 @@ def convert(model, kind, arg):
 
 def saved_bytes(model, x, names):
     """(bytes the named layers keep for backward, bytes their inputs take): the first from
-    distinct storages saved while each layer runs, parameters aside; the second is what an
-    exact nn.Linear/nn.Conv2d keeps, its input."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages, owner, inputs = {}, {}, 0
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        for name, m in model.named_children():
-            before = set(storages)
-            if name in names:
-                inputs += x.numel() * x.element_size()
-            x = m(x)
-            owner[name] = set(storages) - before
-    return sum(storages[p] for name in names for p in owner[name]), inputs
+    distinct storages first saved while each layer runs, parameters aside; the second is what
+    an exact nn.Linear/nn.Conv2d keeps, its input."""
+    seen, kept, inputs = set(), 0, 0
+    for name, m in model.named_children():
+        storages, out = saved_storages(m, x, skip=model.parameters())
+        fresh = {ptr: n for ptr, n in storages.items() if ptr not in seen}
+        seen |= set(storages)
+        if name in names:
+            kept += sum(fresh.values())
+            inputs += x.numel() * x.element_size()
+        x = out
+    return kept, inputs
 
 
 def train(model, train_set, test_set, epochs, seed):
@@ -118,13 +112,9 @@ def main():
     train_set, test_set = data()
     header = ["model", "variant", "compressed layers", "saved KiB", "vs exact", "step ms",
               "time ratio", "test accuracy"]
-    row = (lambda cells: "| " + " | ".join(cells) + " |") if args.markdown else (
-        lambda cells: f"{cells[0]:<5}{cells[1]:<24}" + "".join(f"{c:>18}" for c in cells[2:]))
     print(f"digits: {len(train_set[1])} train, {len(test_set[1])} test; {epochs} epochs, "
           f"batch 64, Adam; seeds {list(seeds)}\n")
-    print(row(header))
-    if args.markdown:
-        print(row(["---"] * len(header)))
+    row = table(header, args.markdown, width=18, first=5)
     probe = train_set[0][:64].clone()  # its own storage, not the whole training set's
     for model_name, build in (("CNN", cnn), ("MLP", mlp)):
         base_step = None
@@ -151,11 +141,10 @@ def main():
                 steps.append(step)
             step = statistics.median(steps)
             base_step = base_step or step
-            print(row([model_name, label, ",".join(names), f"{nbytes / 1024:.1f}",
+            row([model_name, label, ",".join(names), f"{nbytes / 1024:.1f}",
                        f"{exact_bytes / nbytes:.1f}x fewer" if kind else "1.0x",
                        f"{step * 1e3:.2f}",
-                       f"{step / base_step:.2f}", f"{100 * statistics.mean(accs):.2f}%"]),
-                  flush=True)
+                       f"{step / base_step:.2f}", f"{100 * statistics.mean(accs):.2f}%"])
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from measure import median_time
 
 from actdesign.activation import resolve
 from actdesign.designer import Normal, Uniform, fit_stepwise
@@ -29,16 +30,6 @@ BITS = (1, 2, 3, 4, 8)
 WEIGHTS = {"normal": Normal(), "uniform[-8,8]": Uniform(-8, 8)}
 DP_CELLS = 4096
 SAME_RTOL = 1e-9
-
-
-def median_time(fn, repeats: int) -> tuple[float, object]:
-    """Median wall time of `repeats` calls (seconds) and the last call's result."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def prefix_sums(activation, weight, cells: int):

@@ -8,7 +8,8 @@ Run: .venv/bin/python benchmarks/pwl.py [--markdown]
 from __future__ import annotations
 
 import argparse
-import time
+
+from measure import median_time, table
 
 from actdesign.activation import resolve
 from actdesign.designer.pwl import fit_pwl, whole_line_objective
@@ -27,25 +28,19 @@ def main():
     args = parser.parse_args()
     header = ["act", "bits", "domain B", "objective (whole line)", "published", "ours/published",
               "max abs error", "fit s"]
-    row = (lambda cells: "| " + " | ".join(cells) + " |") if args.markdown else (
-        lambda cells: "  ".join(f"{c:>14}" for c in cells))
-    print(row(header))
-    if args.markdown:
-        print(row(["---"] * len(header)))
+    row = table(header, args.markdown, width=24)
     for name in ("gelu", "silu"):
         act = resolve(name)
         for bits in (1, 2, 3, 4):
-            start = time.perf_counter()
-            fit = fit_pwl(act, bits)
-            seconds = time.perf_counter() - start
+            seconds, fit = median_time(lambda act=act, bits=bits: fit_pwl(act, bits), 1)
             ours = whole_line_objective(act, fit.knots, fit.coefficients, fit.left)
             theirs, ratio = "", ""
             if bits == 2:
                 a, c = PUBLISHED[name]
                 published = whole_line_objective(act, c, a, fit.left)
                 theirs, ratio = f"{published:.8e}", f"{ours / published:.6f}"
-            print(row([name, str(bits), f"{fit.domain[1]:.3f}", f"{ours:.8e}", theirs, ratio,
-                       f"{fit.max_abs:.3e}", f"{seconds:.1f}"]), flush=True)
+            row([name, str(bits), f"{fit.domain[1]:.3f}", f"{ours:.8e}", theirs, ratio,
+                       f"{fit.max_abs:.3e}", f"{seconds:.1f}"])
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ import argparse
 import os
 import platform
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from measure import median_time, saved_storages, table
 
 from actdesign import runtime, spec
 from actdesign.designer import fit_stepwise
@@ -28,15 +28,7 @@ BITS = (1, 2, 3, 4, 8)
 
 def saved_bytes(fn, x) -> int:
     """Bytes of distinct storages autograd saves for fn(x)'s backward."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return sum(storages.values())
+    return sum(saved_storages(fn, x)[0].values())
 
 
 def timer(device):
@@ -56,13 +48,7 @@ def timer(device):
             return statistics.median(times)
     else:
         def measure(fn, repeats):
-            fn()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
+            return median_time(fn, repeats, warmup=True)[0]
     return measure
 
 
@@ -115,11 +101,7 @@ def run(device, sizes, dtypes, bits_list, repeats, markdown):
               "saved B/elem ours"]
     if device == "cuda":
         header += ["fwd GB/s", "bwd GB/s", "exact"]
-    line = (lambda cells: "| " + " | ".join(cells) + " |") if markdown else (
-        lambda cells: "  ".join(f"{c:>11}" for c in cells))
-    print(line(header))
-    if markdown:
-        print(line(["---"] * len(header)))
+    line = table(header, markdown, width=13)
     totals = []
     for name, fn in ACTIVATIONS.items():
         for bits in bits_list:
@@ -138,7 +120,7 @@ def run(device, sizes, dtypes, bits_list, repeats, markdown):
                         gf, gb = bandwidth_gbs(n, torch.finfo(dtype).bits // 8, bits, of, ob)
                         exact = exact_on_device(ops, n, dtype, device)
                         cells += [f"{gf:.0f}", f"{gb:.0f}", "yes" if exact else "NO"]
-                    print(line(cells), flush=True)
+                    line(cells)
     print(f"\nmedian fwd+bwd ratio over {len(totals)} rows: {statistics.median(totals):.2f} "
           f"(max {max(totals):.2f})")
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from measure import median_time, saved_storages, table
 from torch import nn
 
 from actdesign import runtime, spec
@@ -45,18 +44,7 @@ class Block(nn.Module):
 
 def saved_bytes(model, x) -> int:
     """Distinct storages autograd keeps for one forward, parameters aside."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return sum(storages.values())
+    return sum(saved_storages(model, x, skip=model.parameters())[0].values())
 
 
 def step_time(model, x, repeats) -> float:
@@ -64,13 +52,7 @@ def step_time(model, x, repeats) -> float:
         model.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
 
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(step, repeats, warmup=True)[0]
 
 
 def variants(d, heads):
@@ -109,20 +91,16 @@ def main():
           f"({os.cpu_count()} cores, torch {torch.__version__})\n")
     header = ["variant", "saved KiB/token", "vs baseline", "saved", "fwd+bwd ms",
               "time ratio"]
-    row = (lambda cells: "| " + " | ".join(cells) + " |") if args.markdown else (
-        lambda cells: f"{cells[0]:<28}" + "".join(f"{c:>16}" for c in cells[1:]))
-    print(row(header))
-    if args.markdown:
-        print(row(["---"] * len(header)))
+    row = table(header, args.markdown, first=28)
     base_bytes = base_time = None
     for name, model in variants(d, heads).items():
         nbytes = saved_bytes(model, x)
         seconds = step_time(model, x, repeats)
         base_bytes = base_bytes or nbytes
         base_time = base_time or seconds
-        print(row([name, f"{nbytes / tokens / 1024:.2f}", f"{nbytes / base_bytes:.1%}",
+        row([name, f"{nbytes / tokens / 1024:.2f}", f"{nbytes / base_bytes:.1%}",
                    f"{1 - nbytes / base_bytes:.1%}", f"{seconds * 1e3:.1f}",
-                   f"{seconds / base_time:.2f}"]), flush=True)
+                   f"{seconds / base_time:.2f}"])
 
 
 if __name__ == "__main__":
