@@ -170,13 +170,12 @@ def allocate(stats_file, avg_bits, out):
     STATS is {"format": "actdesign.stats/1", "items": [{"name", "C", "w"}, ...]}, as
     calibration writes it. Also prints the published heap greedy for comparison.
     """
-    import json
     import time
 
     import numpy as np
 
-    from .designer.allocate import BITS_FORMAT, allocate, greedy_heap, load_stats, variance
-    from .files import check_writable, write_atomic
+    from .designer.allocate import allocate, greedy_heap, load_stats, save_bits, variance
+    from .files import check_writable
 
     names, C, w = load_stats(stats_file)
     if out:
@@ -194,11 +193,8 @@ def allocate(stats_file, avg_bits, out):
     counts = np.bincount(result.bits, minlength=9)[1:]
     click.echo("bits: " + ", ".join(f"{b}: {c}" for b, c in enumerate(counts, 1) if c))
     if out:
-        write_atomic(out, json.dumps({
-            "format": BITS_FORMAT, "avg_bits": avg_bits, "budget": budget,
-            "used": result.used, "variance": result.variance, "greedy_variance": greedy,
-            "bits": {name: int(b) for name, b in zip(names, result.bits, strict=True)},
-        }, indent=1, allow_nan=False) + "\n")
+        save_bits(out, result, {n: int(b) for n, b in zip(names, result.bits, strict=True)},
+                  avg_bits=avg_bits, greedy_variance=greedy)
         click.echo(f"wrote {out}")
 
 

@@ -240,3 +240,25 @@ def load_stats(path) -> tuple[list[str], np.ndarray, np.ndarray]:
     if len(set(names)) != len(names):
         raise ActdesignError(f"{origin}: item names must be unique")
     return names, np.array(C), np.array(w)
+
+
+def save_stats(path, items) -> None:
+    """Write (name, C, w) items as a stats file that `load_stats` and `allocate` read."""
+    import json
+
+    from actdesign.files import write_atomic
+
+    write_atomic(path, json.dumps({"format": STATS_FORMAT, "items": [
+        {"name": name, "C": float(c), "w": float(w)} for name, c, w in items]},
+        indent=1, allow_nan=False) + "\n")
+
+
+def save_bits(path, result: Allocation, bits: dict, **extra) -> None:
+    """Write an allocation: budget, use and variance, any `extra` facts, and bits by name."""
+    import json
+
+    from actdesign.files import write_atomic
+
+    write_atomic(path, json.dumps({
+        "format": BITS_FORMAT, "budget": result.budget, "used": result.used,
+        "variance": result.variance, **extra, "bits": bits}, indent=1, allow_nan=False) + "\n")

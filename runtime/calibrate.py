@@ -12,15 +12,13 @@ memory budget Σ w·b with w the elements per sample.
 
 from __future__ import annotations
 
-import json
 import math
 
 import torch
 import torch.nn.functional as F
 
-from actdesign.designer.allocate import BITS_FORMAT, STATS_FORMAT, allocate
+from actdesign.designer.allocate import allocate, save_bits, save_stats
 from actdesign.errors import ActdesignError
-from actdesign.files import write_atomic
 
 from .quantized import QConv2d, QLinear
 
@@ -107,8 +105,7 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
     w = torch.tensor([s for _, _, s in items], dtype=torch.float64).numpy()
     result = allocate(C, w, avg_bits * float(w.sum()))
     if stats_path:
-        write_atomic(stats_path, json.dumps({"format": STATS_FORMAT, "items": [
-            {"name": name, "C": c, "w": s} for name, c, s in items]}, indent=1) + "\n")
+        save_stats(stats_path, items)
     bits = {}
     if per == "layer":
         for (name, _, _), b in zip(items, result.bits, strict=True):
@@ -121,8 +118,6 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
                                                       dtype=torch.int8)
             start += n
     if bits_path:
-        write_atomic(bits_path, json.dumps({
-            "format": BITS_FORMAT, "avg_bits": avg_bits, "variance": result.variance,
-            "bits": {name: (b if isinstance(b, int) else b.tolist()) for name, b in bits.items()},
-        }, indent=1) + "\n")
+        save_bits(bits_path, result, {name: b if isinstance(b, int) else b.tolist()
+                                      for name, b in bits.items()}, avg_bits=avg_bits)
     return bits
