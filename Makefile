@@ -9,7 +9,7 @@ OUT := out
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,hf]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,hf,bench]'
 	$(BIN)/python benchmarks/designer.py --quick
 	$(BIN)/python benchmarks/runtime.py --quick
 	$(BIN)/python benchmarks/pwl.py

@@ -198,6 +198,103 @@ def allocate(stats_file, avg_bits, out):
         click.echo(f"wrote {out}")
 
 
+_MODEL_HELP = ("A built-in transformers config (gpt2, llama, bert, vit, or their -tiny "
+               "variants; random weights, nothing downloaded) or package.module:function / "
+               "file.py:function returning a model, or (model, make_batch(batch, seq)).")
+
+
+@cli.command()
+@click.option("--model", "-m", "model_name", required=True, help=_MODEL_HELP)
+@click.option("--policy", "-p", default="fewbit3", show_default=True,
+              help="A preset (none, fewbit3, regelu2, msnorm, actnn2, backrazor90, pooled2), "
+                   "presets joined by '+', or a policy .json file.")
+@click.option("--batch", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
+              help="Sequence length (text models).")
+@click.option("--device", default=None, help="cpu or cuda [cuda when available].")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="Timed steps per model (after one warm-up step); the median is reported.")
+@click.option("--per-module", is_flag=True, help="One row per module, not per layer pattern.")
+@click.option("--plot", type=click.Path(dir_okay=False), metavar="PNG",
+              help="Also draw the saved bytes by module as a bar chart.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
+              metavar="FILE", help="Also write the measurements as JSON ('-': stdout only).")
+def profile(model_name, policy, batch, seq, device, repeats, per_module, plot, json_out):
+    """One training step of a model, baseline and compressed with POLICY: bytes saved for the
+    backward by module, peak memory and step time."""
+    import json
+
+    import torch
+
+    from .files import check_writable, write_atomic
+    from .runtime import load_policy
+    from .runtime.profile import plot as draw
+    from .runtime.profile import profile as run
+
+    load_policy(policy)  # a bad policy fails before the model is built
+    for path in (plot, json_out if json_out != "-" else None):
+        if path:
+            check_writable(path)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    result = run(model_name, policy, batch, seq, device, repeats)
+    text = json.dumps(result.to_dict(), indent=1)
+    if json_out == "-":
+        click.echo(text)
+        return
+    click.echo(result.table(per_module))
+    if result.report.skipped:
+        click.echo(f"left alone: {len(result.report.skipped)} modules (--json lists why)")
+    if plot:
+        draw(result, plot, per_module)
+        click.echo(f"wrote {plot}")
+    if json_out:
+        write_atomic(json_out, text + "\n")
+        click.echo(f"wrote {json_out}")
+
+
+@cli.command("calibrate")
+@click.option("--model", "-m", "model_name", required=True, help=_MODEL_HELP)
+@click.option("--data", required=True, metavar="MODULE:FUNCTION",
+              help="package.module:function or file.py:function returning an iterable of "
+                   "batches: model inputs as a tensor, a tuple or a dict of keywords.")
+@click.option("--bits", "-b", type=click.IntRange(1, 8), default=None,
+              help="Bits of the activation tables [3, or the policy's].")
+@click.option("--policy", "-p", default=None,
+              help="The base policy whose fewbit activations and actnn layers are calibrated "
+                   "[fewbit<bits>].")
+@click.option("--actnn-bits", type=click.FloatRange(1, 8), default=None,
+              help="Average bits for the ActNN allocation [the policy's actnn bits].")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), required=True,
+              help="Write the calibrated policy here.")
+def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out):
+    """Fit a table per activation layer to the inputs it sees on your data (and allocate ActNN
+    bits exactly); write one policy that compress and profile accept."""
+    from .files import check_writable
+    from .runtime import load_policy
+    from .runtime import models as model_mod
+    from .runtime.calibrate_policy import calibrate_policy
+    from .runtime.policy import save
+
+    base = load_policy(policy or f"fewbit{bits or 3}")
+    check_writable(out)
+    batches = model_mod.load_callable(data, "data")
+    model, _ = model_mod.build(model_name)
+    result = calibrate_policy(model, lambda: _batches(batches, data), base, bits=bits,
+                              actnn_bits=actnn_bits)
+    click.echo(result)
+    save(result.policy, out)
+    click.echo(f"wrote {out}: {len(result.policy.rules)} rules")
+
+
+def _batches(function, name):
+    made = function()
+    try:
+        return iter(made)
+    except TypeError:
+        raise ActdesignError(f"data {name!r} returned {type(made).__name__}, not an iterable "
+                             "of batches") from None
+
+
 def main(argv=None) -> None:
     """Entry point: one-line errors with exit code 2, never a traceback for user mistakes."""
     try:

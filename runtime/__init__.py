@@ -1,17 +1,26 @@
 """Runtime: loads generated op modules, caches them and applies them to PyTorch models.
 
+    from actdesign.runtime import compress
+    report = compress(model, "fewbit3+msnorm")   # replace modules in place, per a policy
+    print(report)
+
     from actdesign import runtime
     ops = runtime.load("gelu3.json")     # render, cache and import the op module once
     act = ops.Module()                   # drop-in activation module
 """
 
+from .accounting import SavedBytes, account
 from .cache import cache_dir, load, load_source
 from .calibrate import calibrate
+from .compress import Report, compress
 from .norms import MSLayerNorm, MSRMSNorm, fold_norm_affine, norm_ops
+from .policy import Policy
+from .policy import load as load_policy
 from .pooled import PooledConv2d
 from .quantized import QConv2d, QLinear, actnn_ops, qconv2d, qlinear
 from .sparse import SparseConv2d, SparseLinear
 
-__all__ = ["MSLayerNorm", "MSRMSNorm", "PooledConv2d", "QConv2d", "QLinear", "SparseConv2d",
-           "SparseLinear", "actnn_ops", "cache_dir", "calibrate", "fold_norm_affine", "load",
-           "load_source", "norm_ops", "qconv2d", "qlinear"]
+__all__ = ["MSLayerNorm", "MSRMSNorm", "Policy", "PooledConv2d", "QConv2d", "QLinear", "Report",
+           "SavedBytes", "SparseConv2d", "SparseLinear", "account", "actnn_ops", "cache_dir",
+           "calibrate", "compress", "fold_norm_affine", "load", "load_policy", "load_source",
+           "norm_ops", "qconv2d", "qlinear"]

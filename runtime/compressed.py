@@ -37,35 +37,42 @@ class _CompressedInput(torch.autograd.Function):
 
 
 class CompressedLinear(nn.Linear):
-    """The Linear half: math, and a constructor from an nn.Linear sharing its parameters."""
+    """The Linear half: math, and a constructor from an nn.Linear (or a transformers Conv1D,
+    which stores its weight as (in, out): `transposed`) sharing its parameters."""
+
+    transposed = False
 
     def forward(self, x):
         return _CompressedInput.apply(x, self.weight, self.bias, self)
 
     @classmethod
-    def from_module(cls, linear: nn.Linear, **options):
-        if not isinstance(linear, nn.Linear):
+    def from_module(cls, linear: nn.Module, **options):
+        from .targets import is_hf_conv1d
+
+        transposed = is_hf_conv1d(linear)
+        if not (isinstance(linear, nn.Linear) or transposed):
             raise ActdesignError(f"from_module needs an nn.Linear, got {type(linear).__name__}")
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                  device="meta", **options)
-        new.weight, new.bias = linear.weight, linear.bias
+        out_features, in_features = linear.weight.shape[::-1 if transposed else 1]
+        new = cls(in_features, out_features, linear.bias is not None, device="meta", **options)
+        new.weight, new.bias, new.transposed = linear.weight, linear.bias, transposed
         return new
 
-    @staticmethod
-    def dense_forward(x, weight, bias):
-        return F.linear(x, weight, bias)
+    def dense_forward(self, x, weight, bias):
+        return F.linear(x, weight.T if self.transposed else weight, bias)
 
-    @staticmethod
-    def input_grad(shape, weight, g):
-        return g @ weight
+    def input_grad(self, shape, weight, g):
+        return g @ (weight.T if self.transposed else weight)
 
-    @staticmethod
-    def weight_grad(x, weight, g):
-        return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+    def weight_grad(self, x, weight, g):
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        return x2.T @ g2 if self.transposed else g2.T @ x2
 
     @staticmethod
     def channel_dim(g):
         return g.dim() - 1
+
+    def extra_repr(self):
+        return super().extra_repr() + (", transposed" if self.transposed else "")
 
 
 class CompressedConv2d(nn.Conv2d):

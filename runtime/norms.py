@@ -74,24 +74,28 @@ def fold_norm_affine(norm: nn.Module, linears, *, feeds_residual: bool = False) 
         raise ActdesignError("this norm's output also feeds the residual (a post-norm block): "
                              "its γ and β cannot move into the Linear layers alone; keep the "
                              "norm, or use a pre-norm block")
+    from .targets import is_hf_conv1d
+
     kind, d, eps, gamma, beta = _affine(norm)
     linears = list(linears)
-    if not linears or not all(isinstance(m, nn.Linear) for m in linears):
+    if not linears or not all(isinstance(m, nn.Linear) or is_hf_conv1d(m) for m in linears):
         raise ActdesignError("fold_norm_affine needs the nn.Linear layers that read the norm")
     for m in linears:
-        if m.in_features != d:
-            raise ActdesignError(f"a Linear with {m.in_features} inputs cannot follow a norm "
+        inputs = m.weight.shape[0 if is_hf_conv1d(m) else 1]
+        if inputs != d:
+            raise ActdesignError(f"a Linear with {inputs} inputs cannot follow a norm "
                                  f"over {d} features")
     with torch.no_grad():
         for m in linears:
+            weight = m.weight.T if is_hf_conv1d(m) else m.weight  # (out, in) either way
             if beta is not None:
-                shift = m.weight.double() @ beta.double()
+                shift = weight.double() @ beta.double()
                 if m.bias is None:
-                    m.bias = nn.Parameter(shift.to(m.weight.dtype))
+                    m.bias = nn.Parameter(shift.to(weight.dtype))
                 else:
                     m.bias.add_(shift.to(m.bias.dtype))
             if gamma is not None:
-                m.weight.mul_(gamma.to(m.weight.dtype)[None, :])
+                weight.mul_(gamma.to(weight.dtype)[None, :])
     return (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps)  # no parameters to move
 
 

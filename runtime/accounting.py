@@ -1,0 +1,57 @@
+"""Who saves what for the backward pass: bytes per module, each storage counted once.
+
+Every tensor autograd saves passes a saved-tensors pack hook; forward hooks keep a stack of
+the modules running, so each storage is charged to the innermost module running when it was
+first saved. Parameters and buffers are not activations and are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SavedBytes:
+    by_module: dict[str, int] = field(default_factory=dict)  # module name ("" the model)
+    storages: dict[int, int] = field(default_factory=dict)  # storage pointer -> bytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def account(model: torch.nn.Module, run) -> tuple[SavedBytes, object]:
+    """(the bytes `run()`'s forward saves for backward, by module; run()'s result)."""
+    names = {m: n for n, m in model.named_modules()}
+    stack = [""]
+    skip = {t.untyped_storage().data_ptr()
+            for t in (*model.parameters(), *model.buffers())}
+    saved = SavedBytes()
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in skip and ptr not in saved.storages and storage.nbytes():
+            saved.storages[ptr] = storage.nbytes()
+            saved.by_module[stack[-1]] = saved.by_module.get(stack[-1], 0) + storage.nbytes()
+        return t
+
+    def enter(module, args):
+        stack.append(names[module])
+
+    def leave(module, args, output):  # returns None: a hook's result would replace the output
+        stack.pop()
+
+    handles = []
+    for m in names:
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(leave, always_call=True))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return saved, out

@@ -1,0 +1,249 @@
+"""`compress(model, policy)`: apply a policy to a model in place, and say what changed.
+
+Modules are replaced in their parents; every parameter object is kept (a folded norm's γ and
+β move into the Linear weights and biases after it, and the norm's own go away), so create
+the optimizer after compressing. Modules already compressed are not touched again, so
+compressing twice changes nothing. What a rule targets but cannot handle is left alone and
+listed with the reason.
+
+Folding a norm needs one probe forward to see which layers read its output: pass
+`example_inputs` (a tensor, a tuple of positional arguments or a dict of keywords); a
+transformers model gets a small random batch when none is given. With a probe, the report
+also measures the bytes saved for the backward on that input, before and after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from actdesign import spec as spec_mod
+from actdesign.activation import resolve
+from actdesign.errors import ActdesignError
+
+from . import models
+from . import policy as policy_mod
+from .accounting import SavedBytes, account
+from .cache import load
+from .norms import fold_norm_affine
+from .pooled import PooledConv2d
+from .quantized import QConv2d, QLinear
+from .sparse import SparseConv2d, SparseLinear
+from .tables import table
+from .targets import activation_name, target_of
+from .trace import norm_consumers
+
+
+@dataclass
+class Change:
+    name: str
+    old: str  # the replaced module's class
+    new: str  # what replaced it, in words
+
+
+@dataclass
+class Report:
+    policy: str
+    replaced: list[Change] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, class, why)
+    before: SavedBytes | None = None  # bytes saved for the probe's backward
+    after: SavedBytes | None = None
+
+    def to_dict(self) -> dict:
+        out = {"policy": self.policy,
+               "replaced": [{"name": c.name, "old": c.old, "new": c.new}
+                            for c in self.replaced],
+               "skipped": [{"name": n, "type": t, "why": w} for n, t, w in self.skipped]}
+        if self.before is not None:
+            out["probe_saved_bytes"] = {"before": self.before.total, "after": self.after.total}
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"compress ({self.policy}): {len(self.replaced)} modules replaced, "
+                 f"{len(self.skipped)} left alone"]
+        for c in self.replaced:
+            lines.append(f"  {c.name or '(model)'}: {c.old} -> {c.new}")
+        for name, kind, why in self.skipped:
+            lines.append(f"  left alone {name} ({kind}): {why}")
+        if self.before is not None:
+            b, a = self.before.total, self.after.total
+            share = f", {1 - a / b:.1%} less" if b else ""
+            lines.append(f"  saved for backward on the probe input: {_kib(b)} -> "
+                         f"{_kib(a)}{share}")
+        return "\n".join(lines)
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
+    """Apply `policy` (a preset such as "fewbit3+msnorm", a dict, a Policy or a .json file)
+    to `model` in place. Returns a Report of what was replaced, what was left alone and why,
+    and, with a probe input, the bytes saved for the backward before and after."""
+    policy = policy_mod.load(policy)
+    report = Report(policy.label)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    chosen, report.skipped = match(model, policy)
+    run = _probe(model, example_inputs)
+    if run is not None:
+        with torch.enable_grad():
+            report.before, _ = account(model, run)
+    new = {}  # module -> its replacement
+    norms = {n: m for n, (m, rule) in chosen.items() if rule.apply == "msnorm"}
+    new |= _fold_norms(model, norms, run, report)
+    for name, (m, rule) in chosen.items():
+        if rule.apply == "msnorm":
+            continue
+        try:
+            new[m], what = _replacement(m, rule)
+        except ActdesignError as exc:
+            report.skipped.append((name, type(m).__name__, str(exc)))
+            continue
+        report.replaced.append(Change(name, type(m).__name__, what))
+    _swap(model, new)
+    report.replaced.sort(key=lambda c: order[c.name])
+    if run is not None:
+        with torch.enable_grad():
+            report.after, _ = account(model, run)
+    return report
+
+
+def match(model, policy) -> tuple[dict, list]:
+    """({name: (module, first matching rule)} for modules a rule applies to (not `keep`),
+    [(name, class, why) for modules that match but cannot be replaced])."""
+    chosen, skipped = {}, []
+    for name, m in model.named_modules():
+        target = target_of(m)
+        if target is None:
+            continue
+        for rule in policy.rules:
+            if rule.target == target and any(fnmatchcase(name, g) for g in rule.names) \
+                    and (not rule.types or type(m).__name__ in rule.types):
+                if rule.apply != "keep" and not name:
+                    skipped.append(("(model)", type(m).__name__, "compress replaces "
+                                    "submodules: wrap the module in a container"))
+                elif rule.apply != "keep":
+                    chosen[name] = (m, rule)
+                break
+    return chosen, skipped
+
+
+def _probe(model, example_inputs):
+    if example_inputs is None and models.is_transformers(model):
+        example_inputs = models.example_batch(model, batch=2, seq=8)
+    if example_inputs is None:
+        return None
+    return lambda: models.call(model, example_inputs)
+
+
+def _fold_norms(model, norms: dict, run, report) -> dict:
+    """MS norms for the norms whose affine folds exactly; the rest are reported."""
+    new = {}
+    plain = {n: m for n, m in norms.items() if _affine_free(m)}
+    folding = {n: m for n, m in norms.items() if n not in plain}
+    if folding and run is None:
+        for name, m in folding.items():
+            report.skipped.append((name, type(m).__name__, "folding its affine needs "
+                                   "example_inputs, to see which layers read its output"))
+        folding = {}
+    readers = norm_consumers(model, folding, run) if folding else {}
+    shared = _shared_weights(model)
+    for name, m in {**plain, **folding}.items():
+        found = [] if name in plain else readers[name]
+        if isinstance(found, list):
+            tied = [r for r in found if id(r.weight) in shared]
+            if tied:
+                found = "a layer reading it shares its weight with another module (tied)"
+        if isinstance(found, str):
+            report.skipped.append((name, type(m).__name__, found))
+            continue
+        try:
+            new[m] = fold_norm_affine(m, found) if found else _plain_ms(m)
+        except ActdesignError as exc:
+            report.skipped.append((name, type(m).__name__, str(exc)))
+            continue
+        names = {r: n for n, r in model.named_modules()}
+        into = f", affine folded into {', '.join(names[r] for r in found)}" if found else ""
+        report.replaced.append(Change(name, type(m).__name__,
+                                      f"{type(new[m]).__name__}{into}"))
+    return new
+
+
+def _affine_free(norm) -> bool:
+    return getattr(norm, "weight", None) is None and getattr(norm, "bias", None) is None
+
+
+def _plain_ms(norm):
+    from .norms import MSLayerNorm, MSRMSNorm, _affine
+
+    kind, d, eps, _, _ = _affine(norm)
+    return (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps)
+
+
+def _shared_weights(model) -> set:
+    """ids of parameters held by more than one module (tied weights)."""
+    seen, shared = set(), set()
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            (shared if id(p) in seen else seen).add(id(p))
+    return shared
+
+
+def _replacement(m, rule) -> tuple[nn.Module, str]:
+    opts = dict(rule.options)
+    if rule.apply in ("fewbit", "pwl"):
+        spec = _spec_for(m, rule.apply, opts)
+        kind = "piecewise-linear" if spec.kind == "pwl" else "stepwise"
+        return load(spec).Module(), f"{spec.activation.get('name') or 'expression'} " \
+                                    f"{spec.bits}-bit {kind} table"
+    conv = isinstance(m, nn.Conv2d)
+    if rule.apply == "actnn":
+        cls = QConv2d if conv else QLinear
+        new = cls.from_module(m, bits=opts["bits"], group_size=opts["group_size"])
+        return new, f"{cls.__name__} ({opts['bits']}-bit saved input)"
+    if rule.apply == "backrazor":
+        cls = SparseConv2d if conv else SparseLinear
+        new = cls.from_module(m, ratio=opts["ratio"], int8=opts["int8"])
+        kept = f"top {1 - opts['ratio']:.0%}" + (", int8" if opts["int8"] else "")
+        return new, f"{cls.__name__} ({kept} of the input saved)"
+    if rule.apply == "pooled":
+        return PooledConv2d.from_module(m, p=opts["pool"]), \
+            f"PooledConv2d (input pooled {opts['pool']}x{opts['pool']})"
+    raise AssertionError(rule.apply)
+
+
+def _spec_for(m, method: str, opts: dict) -> spec_mod.Spec:
+    """The table for an activation module: the rule's spec, or the built-in one for its own
+    activation; refused when it is for another activation or the other kind."""
+    own = activation_name(m)
+    if own is None:
+        raise ActdesignError(f"its settings ({m.extra_repr() or 'none'}) match no built-in "
+                             "activation")
+    kind = "pwl" if method == "pwl" else "stepwise"
+    given = opts["spec"]
+    if given is None:
+        return table(kind, own, opts["bits"])
+    if isinstance(given, str) and policy_mod.table_name(given) is not None:
+        kind_given, act, bits = policy_mod.table_name(given)
+        spec = table(kind_given, resolve(act).name, bits)
+    else:
+        spec = spec_mod.load(given)
+    named = spec.activation.get("name")
+    if named is None or resolve(named).name != own:
+        raise ActdesignError(f"its spec is for {named or spec.activation.get('expr')!r}, but "
+                             f"the module computes {own}")
+    if spec.kind != kind:
+        raise ActdesignError(f"'{method}' needs a {kind} spec, got a {spec.kind} one")
+    return spec
+
+
+def _swap(model, new: dict) -> None:
+    """Put each replacement wherever its module appears (shared modules too)."""
+    for name, m in list(model.named_modules(remove_duplicate=False)):
+        if m in new:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, new[m])

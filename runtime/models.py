@@ -1,0 +1,143 @@
+"""Models to profile: built-in transformers configs (random weights, nothing downloaded), or the
+user's own builder; and random inputs of a given shape for either.
+
+A user's builder is `package.module:function` or `path/to/file.py:function`. It is called with
+no arguments and returns a model, or a (model, make_batch) pair where `make_batch(batch, seq)`
+returns the model's inputs: a tensor, a tuple of positional arguments or a dict of keyword
+arguments. transformers models need no make_batch: their inputs follow from the config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from actdesign.errors import ActdesignError
+
+# name -> (config class, model class, config arguments); "-tiny" variants: 2 layers, d=64.
+_TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "intermediate_size": 256}
+BUILTIN = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+    "gpt2-tiny": ("GPT2Config", "GPT2LMHeadModel",
+                  {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512,
+                   "n_positions": 1024, "bos_token_id": 0, "eos_token_id": 0}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
+               "num_key_value_heads": 12, "intermediate_size": 2048, "vocab_size": 32000}),
+    "llama-tiny": ("LlamaConfig", "LlamaForCausalLM",
+                   _TINY | {"num_key_value_heads": 2, "vocab_size": 512}),
+    "bert": ("BertConfig", "BertForMaskedLM", {}),
+    "bert-tiny": ("BertConfig", "BertForMaskedLM", _TINY | {"vocab_size": 512}),
+    "vit": ("ViTConfig", "ViTForImageClassification", {"num_labels": 1000}),
+    "vit-tiny": ("ViTConfig", "ViTForImageClassification",
+                 _TINY | {"image_size": 32, "patch_size": 8, "num_labels": 10}),
+}
+
+
+def build(name: str, seed: int = 0):
+    """(model, make_batch or None) for a built-in name or a `module:function` builder."""
+    torch.manual_seed(seed)
+    if name in BUILTIN:
+        try:
+            import transformers
+        except ImportError:
+            raise ActdesignError(f"model {name!r} needs the transformers package: "
+                                 "pip install 'actdesign[hf]'") from None
+        transformers.logging.set_verbosity_error()  # no advice about random-weight models
+        config_cls, model_cls, args = BUILTIN[name]
+        config = getattr(transformers, config_cls)(**args)
+        model = getattr(transformers, model_cls)(config)
+        return model, None
+    made = _builder(name)()
+    if isinstance(made, tuple) and len(made) == 2 and callable(made[1]):
+        model, make_batch = made
+    else:
+        model, make_batch = made, None
+    if not isinstance(model, torch.nn.Module):
+        raise ActdesignError(f"{name} returned {type(model).__name__}, not a torch module")
+    return model, make_batch
+
+
+def load_callable(ref: str, what: str):
+    """The function named by `package.module:function` or `file.py:function`."""
+    module_name, sep, attr = ref.rpartition(":")
+    if not sep or not module_name or not attr.isidentifier():
+        raise ActdesignError(f"{what} {ref!r}: expected package.module:function, "
+                             "file.py:function or a built-in name")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ActdesignError(f"{what} {ref!r}: file {module_name!r} not found")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault(path.stem, module)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ActdesignError(f"{what} {ref!r}: cannot import {module_name!r} ({exc})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ActdesignError(f"{what} {ref!r}: {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def _builder(ref: str):
+    if ":" not in ref:
+        raise ActdesignError(f"unknown model {ref!r}: use one of {', '.join(BUILTIN)} or "
+                             "package.module:function")
+    return load_callable(ref, "model")
+
+
+def is_transformers(model) -> bool:
+    return hasattr(model, "config") and type(model).__module__.startswith("transformers.")
+
+
+def example_batch(model, batch: int, seq: int, make_batch=None, seed: int = 0):
+    """Random inputs of the given shape, with labels where the model computes a loss."""
+    if make_batch is not None:
+        return make_batch(batch, seq)
+    if not is_transformers(model):
+        raise ActdesignError(f"{type(model).__name__} is not a transformers model: give its "
+                             "inputs (example_inputs, or make_batch from the builder)")
+    config = model.config
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    if model.main_input_name == "pixel_values":
+        size = config.image_size
+        inputs = {"pixel_values": torch.randn(batch, config.num_channels, size, size,
+                                              generator=g)}
+        if type(model).__name__.endswith("ForImageClassification"):
+            inputs["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+    else:
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+        inputs = {"input_ids": ids}
+        if type(model).__name__.endswith(("LMHeadModel", "ForCausalLM", "ForMaskedLM")):
+            inputs["labels"] = ids.clone()
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def call(model, inputs):
+    """model(inputs) for a tensor, a tuple of positional arguments or a dict of keywords."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple | list):
+        return model(*inputs)
+    return model(inputs)
+
+
+def loss_of(output) -> torch.Tensor:
+    """The model's own loss when it returns one; else the mean square of its first output."""
+    loss = output.get("loss") if isinstance(output, dict) else None
+    if loss is not None:
+        return loss
+    if not isinstance(output, torch.Tensor):
+        leaves = output.values() if isinstance(output, dict) else output
+        output = next(t for t in leaves if isinstance(t, torch.Tensor))
+    return output.float().square().mean()

@@ -1,0 +1,179 @@
+"""One training step of a model, baseline and compressed: saved bytes by module, peak memory
+and step time.
+
+Saved bytes are the distinct storages autograd keeps for the backward (parameters aside), each
+charged to the module that first saved it. Peak memory is CUDA's allocator peak on a GPU; on
+CPU it is the saved-bytes account (torch keeps no CPU allocator peak). Times are medians of
+`repeats` steps after one warm-up step, which also compiles any kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import models
+from .accounting import account
+from .compress import Report, compress
+
+
+@dataclass
+class Run:
+    saved: dict[str, int]  # module name -> bytes
+    total: int
+    peak: int  # bytes; see `peak_kind`
+    step_s: float
+
+
+@dataclass
+class Profile:
+    model: str
+    policy: str
+    shape: str
+    device: str
+    peak_kind: str
+    baseline: Run
+    compressed: Run
+    report: Report
+
+    def rows(self, per_module: bool = False) -> list[tuple[str, int, int]]:
+        """(module, baseline bytes, compressed bytes), by module or by module pattern (layer
+        numbers replaced by *), in first-seen order."""
+        rows: dict[str, list[int]] = {}
+        for which, run in enumerate((self.baseline, self.compressed)):
+            for name, n in run.saved.items():
+                key = name if per_module else re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+                rows.setdefault(key or "(model)", [0, 0])[which] += n
+        return [(k, a, b) for k, (a, b) in rows.items()]
+
+    def to_dict(self) -> dict:
+        def run(r: Run):
+            return {"saved_bytes": r.total, "peak_bytes": r.peak, "step_seconds": r.step_s,
+                    "saved_by_module": r.saved}
+
+        return {"model": self.model, "policy": self.policy, "shape": self.shape,
+                "device": self.device, "peak_kind": self.peak_kind,
+                "baseline": run(self.baseline), "compressed": run(self.compressed),
+                "saved_ratio": _ratio(self.compressed.total, self.baseline.total),
+                "peak_ratio": _ratio(self.compressed.peak, self.baseline.peak),
+                "time_ratio": _ratio(self.compressed.step_s, self.baseline.step_s),
+                "compress": self.report.to_dict()}
+
+    def table(self, per_module: bool = False) -> str:
+        lines = [f"{self.model}, policy {self.policy}, {self.shape}, on {self.device}",
+                 f"{'saved for backward':<48}{'baseline KiB':>14}{'compressed KiB':>16}"
+                 f"{'ratio':>8}"]
+        for name, a, b in self.rows(per_module):
+            lines.append(f"{name[-47:]:<48}{a / 1024:>14,.1f}{b / 1024:>16,.1f}"
+                         f"{_fmt(_ratio(b, a)):>8}")
+        a, b = self.baseline, self.compressed
+        lines.append(f"{'total':<48}{a.total / 1024:>14,.1f}{b.total / 1024:>16,.1f}"
+                     f"{_fmt(_ratio(b.total, a.total)):>8}")
+        lines.append(f"{'peak memory (' + self.peak_kind + ')':<48}{a.peak / 1024:>14,.1f}"
+                     f"{b.peak / 1024:>16,.1f}{_fmt(_ratio(b.peak, a.peak)):>8}")
+        lines.append(f"{'step time, ms (median)':<48}{a.step_s * 1e3:>14,.1f}"
+                     f"{b.step_s * 1e3:>16,.1f}{_fmt(_ratio(b.step_s, a.step_s)):>8}")
+        return "\n".join(lines)
+
+
+def _ratio(a, b):
+    return a / b if b else None
+
+
+def _fmt(r) -> str:
+    return "-" if r is None else f"{r:.3f}"
+
+
+def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str = "cpu",
+            repeats: int = 3, seed: int = 0) -> Profile:
+    """Build the model (a built-in name or a `module:function` builder), copy it, compress the
+    copy with `policy`, and measure one training step of each on the same random batch."""
+    model, make_batch = models.build(model_name, seed)
+    model = model.to(device).train()
+    inputs = models.example_batch(model, batch, seq, make_batch, seed)
+    inputs = _to(inputs, device)
+    small = models.example_batch(model, 2, min(seq, 8), make_batch, seed)
+    compressed = copy.deepcopy(model)
+    report = compress(compressed, policy, example_inputs=_to(small, device))
+    runs = [_measure(m, inputs, device, repeats, seed) for m in (model, compressed)]
+    vision = getattr(getattr(model, "config", None), "image_size", None)
+    shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision and make_batch is None
+                                  else f"sequence {seq}")
+    return Profile(model_name, report.policy, shape, device,
+                   "CUDA allocator" if device.startswith("cuda") else "saved-bytes account",
+                   runs[0], runs[1], report)
+
+
+def _to(inputs, device):
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, dict):
+        return {k: _to(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, tuple | list):
+        return type(inputs)(_to(v, device) for v in inputs)
+    return inputs
+
+
+def _measure(model, inputs, device, repeats, seed) -> Run:
+    def step():
+        model.zero_grad(set_to_none=True)
+        models.loss_of(models.call(model, inputs)).backward()
+
+    cuda = device.startswith("cuda")
+    torch.manual_seed(seed)
+    step()  # warm-up: kernels compile, lazy state is created
+    model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(seed)
+    saved, out = account(model, lambda: models.loss_of(models.call(model, inputs)))
+    out.backward()
+    peak = torch.cuda.max_memory_allocated() if cuda else saved.total
+    del out
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return Run(saved.by_module, saved.total, peak, statistics.median(times))
+
+
+def plot(result: Profile, path, per_module: bool = False) -> None:
+    """A horizontal bar chart of saved bytes by module, baseline against compressed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from actdesign.files import check_writable, write_atomic
+
+    check_writable(path)
+    rows = result.rows(per_module)
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.6))
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], [a / 2**20 for _, a, _ in rows], 0.4, label="baseline")
+    ax.barh([i - 0.2 for i in y], [b / 2**20 for _, _, b in rows], 0.4,
+            label=f"compressed ({result.policy})")
+    ax.set_yticks(list(y), [name[-40:] for name, _, _ in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("saved for backward (MiB)")
+    ax.set_title(f"{result.model}: {result.shape}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())

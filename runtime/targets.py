@@ -1,0 +1,102 @@
+"""What kind of module is this, for a policy: an activation (and which), a norm, a linear
+layer or a 2-D convolution. Classes are matched exactly, so a subclass that changes the
+forward is never mistaken for its parent; `transformers` classes are matched by name and
+module, so transformers need not be installed.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .compressed import CompressedConv2d, CompressedLinear
+from .norms import MSLayerNorm, MSRMSNorm
+
+
+def _gelu(m):
+    return {"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate)
+
+
+def _when(name, **defaults):
+    """The built-in `name` if the module's attributes have torch's default values."""
+    def check(m):
+        return name if all(getattr(m, k, None) == v for k, v in defaults.items()) else None
+    return check
+
+
+# torch.nn classes -> the built-in activation they compute (None: not a built-in).
+_TORCH_ACTIVATIONS = {
+    nn.GELU: _gelu, nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
+    nn.Mish: "mish", nn.ReLU6: "relu6", nn.SELU: "selu", nn.Softsign: "softsign",
+    nn.LogSigmoid: "logsigmoid", nn.Tanhshrink: "tanhshrink", nn.Hardswish: "hardswish",
+    nn.Hardsigmoid: "hardsigmoid",
+    nn.ELU: _when("elu", alpha=1.0), nn.CELU: _when("celu", alpha=1.0),
+    nn.LeakyReLU: _when("leaky_relu", negative_slope=0.01),
+    nn.Softplus: _when("softplus", beta=1.0, threshold=20.0),
+    nn.Hardtanh: _when("hardtanh", min_val=-1.0, max_val=1.0),
+}
+# transformers.activations classes, by name.
+_HF_ACTIVATIONS = {
+    "GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh", "FastGELUActivation": "gelu_tanh",
+    "QuickGELUActivation": "quick_gelu", "SiLUActivation": "silu", "MishActivation": "mish",
+    "ReLUSquaredActivation": "squared_relu",
+}
+
+
+def activation_name(m: nn.Module) -> str | None:
+    """The built-in activation a module computes, or None if it is not one we know."""
+    found = _TORCH_ACTIVATIONS.get(type(m))
+    if found is None and _from_transformers(m):
+        found = _HF_ACTIVATIONS.get(type(m).__name__)
+        if type(m).__name__ == "GELUActivation" and getattr(m, "act", None) is not None \
+                and getattr(m.act, "__name__", "gelu") not in ("gelu", "_gelu_python"):
+            found = None
+    return found(m) if callable(found) else found
+
+
+def _from_transformers(m: nn.Module) -> bool:
+    return type(m).__module__.startswith("transformers.")
+
+
+def is_activation(m: nn.Module) -> bool:
+    """An activation class we know, whether or not its settings match a built-in."""
+    return type(m) in _TORCH_ACTIVATIONS or (_from_transformers(m)
+                                             and type(m).__name__ in _HF_ACTIVATIONS)
+
+
+def is_hf_conv1d(m: nn.Module) -> bool:
+    """transformers' Conv1D: a Linear layer storing its weight as (in, out)."""
+    return type(m).__name__ == "Conv1D" and _from_transformers(m) \
+        and getattr(m, "weight", None) is not None and m.weight.dim() == 2
+
+
+def is_norm(m: nn.Module) -> bool:
+    if type(m) in (nn.LayerNorm, nn.RMSNorm):
+        return True
+    name = type(m).__name__
+    return _from_transformers(m) and name.endswith("RMSNorm") \
+        and not name.startswith("Gemma")
+
+
+def target_of(m: nn.Module) -> str | None:
+    """'activation', 'norm', 'linear', 'conv2d', or None for a module no policy touches."""
+    if type(m) is nn.Linear or is_hf_conv1d(m):
+        return "linear"
+    if type(m) is nn.Conv2d:
+        return "conv2d"
+    if is_norm(m):
+        return "norm"
+    if is_activation(m):
+        return "activation"
+    return None
+
+
+def is_compressed(m: nn.Module) -> bool:
+    """A module compress made (or that already keeps a compressed input)."""
+    return isinstance(m, CompressedLinear | CompressedConv2d | MSLayerNorm | MSRMSNorm) or \
+        type(m).__module__.startswith("actdesign_ops_")
+
+
+def linear_like(m: nn.Module) -> bool:
+    """Layers a norm's affine can fold into: y = x·Wᵀ + b over the last dimension."""
+    return isinstance(m, nn.Linear) or is_hf_conv1d(m)

@@ -1,0 +1,140 @@
+"""Which layers read a norm's output: found by watching one forward pass.
+
+Folding a norm's γ and β into the layers after it is exact only if every use of the norm's
+output is the input of a Linear-like layer. One probe forward under a TorchFunctionMode sees
+every torch call on the output (and on row-preserving views of it: reshapes and basic
+indexing that keep the last dimension); a call anywhere else, or the output being returned
+from the model, blocks the fold and says why.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from .targets import linear_like
+
+# Calls that read only metadata.
+_METADATA = {"size", "dim", "shape", "dtype", "device", "ndim", "is_contiguous", "stride",
+             "numel", "__len__", "requires_grad", "is_floating_point", "layout", "is_cuda",
+             "grad_fn", "is_leaf", "data_ptr", "element_size", "storage_offset", "names",
+             "is_complex", "get_device", "_version", "is_sparse", "is_quantized", "is_meta",
+             "is_nested", "__format__"}
+# Views that keep each row of the last dimension intact when that dimension is kept.
+_ROW_VIEWS = {"view", "reshape", "flatten", "contiguous", "unsqueeze", "squeeze", "__getitem__",
+              "unflatten", "expand"}
+
+
+def _name(func) -> str:
+    owner = getattr(func, "__self__", None)  # a property getter: the descriptor's name
+    if getattr(func, "__name__", "") == "__get__" and owner is not None:
+        return getattr(owner, "__name__", "__get__")
+    return getattr(func, "__name__", repr(func))
+
+
+def _basic_index_keeps_last(index, dim: int) -> bool:
+    """x[index] with ints, slices, None and Ellipsis only, leaving the last dimension whole."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, int | slice) or i is None or i is Ellipsis for i in items):
+        return False
+    if Ellipsis in items:
+        after = items[items.index(Ellipsis) + 1:]
+        return all(i is None for i in after)
+    addressed = [i for i in items if i is not None]
+    if len(addressed) < dim:
+        return True
+    return addressed[dim - 1] == slice(None)
+
+
+class _Probe(TorchFunctionMode):
+    def __init__(self, norms: dict):
+        super().__init__()
+        self.norm_of = {}  # id(tensor) -> norm name, for outputs and their row views
+        self.keep = []  # the watched tensors stay alive, so their ids stay unique
+        self.width = {}  # norm name -> features
+        self.consumers = {name: [] for name in norms}
+        self.blocked = {}  # norm name -> why
+        self.stack = []  # (module, its first input)
+        self.inputs = {}  # Linear-like module -> the norm (or None) of each call's input
+
+    def watch(self, t, name):
+        self.norm_of[id(t)] = name
+        self.keep.append(t)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        hits = {self.norm_of[id(t)] for t in leaves if id(t) in self.norm_of}
+        if not hits:
+            return out
+        name = _name(func)
+        if name in _METADATA:
+            return out
+        top, top_input = self.stack[-1] if self.stack else (None, None)
+        for norm in hits:
+            if top is not None and linear_like(top) and id(top_input) in self.norm_of \
+                    and self.norm_of[id(top_input)] == norm:
+                if top not in self.consumers[norm]:
+                    self.consumers[norm].append(top)
+            elif name in _ROW_VIEWS and self._keeps_rows(args, out, norm, name):
+                self.watch(out, norm)
+            else:
+                self.blocked.setdefault(norm, f"its output also feeds {name} outside a "
+                                              "Linear layer")
+        return out
+
+    def _keeps_rows(self, args, out, norm, name) -> bool:
+        if not isinstance(out, torch.Tensor) or out.dim() == 0 \
+                or out.shape[-1] != self.width[norm]:
+            return False
+        if name == "__getitem__":
+            return _basic_index_keeps_last(args[1], args[0].dim())
+        return name != "expand" or out.shape[-1] == args[0].shape[-1]
+
+
+def norm_consumers(model: torch.nn.Module, norms: dict, run) -> dict:
+    """{norm name: [the Linear-like modules reading its output] or a string saying why the
+    fold is not exact}. `norms` maps names to modules; `run()` does one forward of `model`."""
+    probe = _Probe(norms)
+    handles = []
+    by_module = {m: n for n, m in norms.items()}
+
+    def pre(module, args, kwargs):
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        probe.stack.append((module, first))
+        if linear_like(module):
+            probe.inputs.setdefault(module, set()).add(probe.norm_of.get(id(first)))
+
+    def post(module, args, kwargs, output):
+        probe.stack.pop()
+        if module in by_module and isinstance(output, torch.Tensor):
+            probe.width[by_module[module]] = output.shape[-1]
+            probe.watch(output, by_module[module])
+
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+    try:
+        with torch.no_grad(), probe:
+            output = run()
+    finally:
+        for h in handles:
+            h.remove()
+    for t in tree_leaves(list(output.values()) if isinstance(output, dict) else output):
+        if isinstance(t, torch.Tensor) and id(t) in probe.norm_of:
+            probe.blocked.setdefault(probe.norm_of[id(t)], "its output is a model output")
+    result = {}
+    for name in norms:
+        if name in probe.blocked:
+            result[name] = probe.blocked[name]
+        elif name not in probe.width:
+            result[name] = "the probe forward did not run it"
+        elif not probe.consumers[name]:
+            result[name] = "no Linear layer reads its output"
+        elif any(probe.inputs[m] != {name} for m in probe.consumers[name]):
+            result[name] = "a Linear layer reading it is also called on other inputs"
+        else:
+            result[name] = probe.consumers[name]
+    return result

@@ -1,0 +1,263 @@
+"""compress on plain torch models: what is replaced, exactness, idempotence, weights kept,
+refusals listed, and the byte accounting against an independent saved-tensor count."""
+
+import pytest
+import torch
+from torch import nn
+
+from actdesign.errors import ActdesignError
+from actdesign.runtime import (
+    MSLayerNorm,
+    PooledConv2d,
+    QConv2d,
+    QLinear,
+    SparseLinear,
+    account,
+    compress,
+)
+
+
+class Block(nn.Module):
+    """Pre-norm MLP block with a residual, and a final norm feeding a head."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.down = nn.Linear(4 * d, d)
+        self.final = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = x + self.down(self.act(self.up(self.norm(x))))
+        return self.head(self.final(x))
+
+
+def block(dtype=torch.float64):
+    torch.manual_seed(0)
+    model = Block().to(dtype)
+    with torch.no_grad():  # non-trivial affine, so a wrong fold shows
+        for norm in (model.norm, model.final):
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def test_fewbit_msnorm_actnn_replace_and_keep_the_forward():
+    model = block()
+    x = torch.randn(4, 5, 16, dtype=torch.float64)
+    ref = model(x)
+    weights = {id(p) for p in model.parameters() if p.dim() == 2}
+    report = compress(model, "fewbit3+msnorm+actnn2", example_inputs=(x,))
+    assert {c.name for c in report.replaced} == {"norm", "up", "act", "down", "final", "head"}
+    assert isinstance(model.norm, MSLayerNorm) and isinstance(model.final, MSLayerNorm)
+    assert isinstance(model.up, QLinear) and model.up.bits == 2
+    assert type(model.act).__module__.startswith("actdesign_ops_")
+    assert weights == {id(p) for p in model.parameters() if p.dim() == 2}  # kept, not copied
+    # The fold and the few-bit forward are exact up to float64 rounding.
+    torch.testing.assert_close(model(x), ref, rtol=1e-12, atol=1e-12)
+    out = model(x.requires_grad_())
+    out.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in model.parameters())
+
+
+def test_compress_is_idempotent():
+    model = block()
+    x = torch.randn(2, 16, dtype=torch.float64)
+    compress(model, "fewbit3+msnorm+actnn2", example_inputs=(x,))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = list(model.modules())
+    again = compress(model, "fewbit3+msnorm+actnn2", example_inputs=(x,))
+    assert again.replaced == [] and again.skipped == []
+    assert list(model.modules()) == modules
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_first_matching_rule_wins_and_keep_excludes():
+    model = block()
+    policy = {"rules": [
+        {"target": "linear", "name": "head", "apply": "keep"},
+        {"target": "linear", "name": "up", "apply": "backrazor", "ratio": 0.5},
+        {"target": "linear", "apply": "actnn", "bits": 4},
+        {"target": "activation", "type": "ReLU", "apply": "fewbit"}]}
+    report = compress(model, policy)
+    assert type(model.head) is nn.Linear
+    assert isinstance(model.up, SparseLinear) and model.up.ratio == 0.5
+    assert isinstance(model.down, QLinear) and model.down.bits == 4
+    assert type(model.act) is nn.GELU  # the activation rule names another class
+    assert [c.name for c in report.replaced] == ["up", "down"]
+
+
+def test_norms_without_a_probe_are_listed_not_guessed():
+    model = block()
+    report = compress(model, "msnorm")
+    assert type(model.norm) is nn.LayerNorm
+    assert {n for n, _, _ in report.skipped} == {"norm", "final"}
+    assert all("example_inputs" in why for _, _, why in report.skipped)
+    assert report.before is None
+
+
+def test_affine_free_norm_needs_no_probe():
+    model = nn.Sequential(nn.LayerNorm(8, elementwise_affine=False), nn.Linear(8, 2))
+    compress(model, "msnorm")
+    assert isinstance(model[0], MSLayerNorm)
+
+
+class PostNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin, self.tail = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return y + self.lin(y)  # the norm's output also feeds the residual
+
+
+class SharedReader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(self.norm(x)) + self.lin(x)  # the Linear also reads x itself
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm, self.out = nn.Embedding(10, 8), nn.LayerNorm(8), nn.Linear(8, 10)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(self.norm(self.emb(ids)))
+
+
+class Returned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return self.lin(y), y
+
+
+class Sliced(nn.Module):
+    """Views that keep each row: the fold stays exact and is allowed."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        y = self.norm(x).view(-1, x.shape[-1])
+        return self.lin(y[1:, :])
+
+
+class Permuted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.lin(self.norm(x)[..., torch.arange(7, -1, -1)])
+
+
+@pytest.mark.parametrize("cls, inputs, why", [
+    (PostNorm, torch.randn(2, 8), "feeds add outside a Linear"),
+    (SharedReader, torch.randn(2, 8), "also called on other inputs"),
+    (Tied, torch.tensor([[1, 2, 3]]), "shares its weight"),
+    (Returned, torch.randn(2, 8), "model output"),
+    (Permuted, torch.randn(2, 8), "feeds __getitem__ outside a Linear"),
+])
+def test_folds_that_would_change_the_model_are_refused(cls, inputs, why):
+    torch.manual_seed(0)
+    model = cls()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+    ref = model(inputs)
+    report = compress(model, "msnorm", example_inputs=(inputs,))
+    assert type(model.norm) is nn.LayerNorm
+    ((name, kind, reason),) = report.skipped
+    assert (name, kind) == ("norm", "LayerNorm") and why in reason
+    out = model(inputs)
+    for a, b in zip(ref if isinstance(ref, tuple) else (ref,),
+                    out if isinstance(out, tuple) else (out,), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_row_views_fold_exactly():
+    torch.manual_seed(0)
+    model = Sliced().double()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-1, 1)
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    ref = model(x)
+    compress(model, "msnorm", example_inputs=(x,))
+    assert isinstance(model.norm, MSLayerNorm)
+    torch.testing.assert_close(model(x), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_unhandled_modules_are_listed_with_reasons():
+    model = nn.Sequential(nn.ELU(alpha=2.0), nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(inplace=True))
+    report = compress(model, "fewbit3+actnn2")
+    reasons = {name: why for name, _, why in report.skipped}
+    assert set(reasons) == {"0", "1"}
+    assert "match no built-in" in reasons["0"] and "zero padding" in reasons["1"]
+    assert isinstance(model[2], QConv2d) and type(model[0]) is nn.ELU
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    model(x).sum().backward()
+
+
+def test_specs_for_another_activation_are_refused(make_spec):
+    model = nn.Sequential(nn.Linear(4, 4), nn.SiLU())
+    report = compress(model, {"rules": [{"target": "activation", "apply": "fewbit",
+                                         "spec": make_spec("gelu", 3)}]})
+    ((_, _, why),) = report.skipped
+    assert "for 'gelu'" in why and "computes silu" in why
+    report = compress(model, {"rules": [{"target": "activation", "apply": "fewbit",
+                                         "spec": "regelu2"}]})
+    assert "for 'gelu'" in report.skipped[0][2]
+    report = compress(nn.Sequential(nn.GELU()), {"rules": [
+        {"target": "activation", "apply": "fewbit", "spec": "regelu2"}]})
+    assert "needs a stepwise spec" in report.skipped[0][2]
+
+
+def test_shared_module_is_replaced_everywhere_and_pooled_conv():
+    act = nn.GELU()
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), act, nn.Conv2d(4, 4, 3), act)
+    compress(model, "fewbit3+pooled2")
+    assert model[1] is model[3] and type(model[1]).__module__.startswith("actdesign_ops_")
+    assert isinstance(model[0], PooledConv2d) and model[0].p == 2
+
+
+def test_the_model_itself_is_not_replaced():
+    report = compress(nn.GELU(), "fewbit3")
+    assert report.skipped[0][0] == "(model)" and "container" in report.skipped[0][2]
+
+
+def test_report_bytes_match_an_independent_count(saved):
+    model = block(torch.float32)
+    x = torch.randn(8, 16)
+    report = compress(model, "fewbit3+msnorm", example_inputs=(x,))
+    params = list(model.parameters())
+    assert report.after.total == sum(saved(model, x, params).values())
+    text = str(report)
+    assert "saved for backward on the probe input" in text and "less" in text
+    assert report.to_dict()["probe_saved_bytes"]["after"] == report.after.total
+    baseline = block(torch.float32)
+    assert report.before.total == sum(saved(baseline, x, list(baseline.parameters())).values())
+    by_module, _ = account(model, lambda: model(x))
+    assert sum(by_module.by_module.values()) == by_module.total == report.after.total
+    # With an input that needs its gradient the norm saves y, and the Linear reading it saves
+    # that very storage: it is charged once, to the norm.
+    by_module, _ = account(model, lambda: model(x.requires_grad_()))
+    assert by_module.by_module["norm"] > 0 and "up" not in by_module.by_module
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(ActdesignError, match="unknown policy"):
+        compress(block(), "fewbit7")
