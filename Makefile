@@ -23,6 +23,8 @@ demo: $(STAMP)
 	$(BIN)/python examples/fit_tables.py
 	$(BIN)/actdesign gen-kernel $(OUT)/gelu3.json --out $(OUT)/gelu3_ops.py
 	$(BIN)/python examples/train_mlp.py $(OUT)/gelu3_ops.py
+	$(BIN)/actdesign profile --model gpt2-tiny --policy fewbit3+msnorm --batch 8 --seq 256 \
+		--plot $(OUT)/profile.png
 
 test: $(STAMP)
 	$(BIN)/pytest -q
