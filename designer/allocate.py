@@ -262,3 +262,27 @@ def save_bits(path, result: Allocation, bits: dict, **extra) -> None:
     write_atomic(path, json.dumps({
         "format": BITS_FORMAT, "budget": result.budget, "used": result.used,
         "variance": result.variance, **extra, "bits": bits}, indent=1, allow_nan=False) + "\n")
+
+
+def load_bits(path) -> dict[str, int]:
+    """{name: bits} from a bits file that `save_bits` wrote (per-layer bits only)."""
+    import json
+
+    origin = str(path)
+    try:
+        data = json.loads(open(path, encoding="utf-8").read(),
+                          parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    except FileNotFoundError:
+        raise ActdesignError(f"bits file {origin!r} not found") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ActdesignError(f"{origin}: not a readable JSON bits file ({exc})") from None
+    bits = data.get("bits") if isinstance(data, dict) else None
+    if not (isinstance(data, dict) and data.get("format") == BITS_FORMAT
+            and isinstance(bits, dict)):
+        raise ActdesignError(f"{origin}: must be {{\"format\": \"{BITS_FORMAT}\", "
+                             "\"bits\": {...}}")
+    for name, b in bits.items():
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
+            raise ActdesignError(f"{origin}: bits of {name!r} must be one integer in 1..8 "
+                                 "(per-sample allocations apply to one batch only)")
+    return bits

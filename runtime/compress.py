@@ -22,6 +22,7 @@ from torch import nn
 
 from actdesign import spec as spec_mod
 from actdesign.activation import resolve
+from actdesign.designer.allocate import load_bits
 from actdesign.errors import ActdesignError
 
 from . import models
@@ -99,7 +100,7 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
         if rule.apply == "msnorm":
             continue
         try:
-            new[m], what = _replacement(m, rule)
+            new[m], what = _replacement(name, m, rule)
         except ActdesignError as exc:
             report.skipped.append((name, type(m).__name__, str(exc)))
             continue
@@ -193,7 +194,7 @@ def _shared_weights(model) -> set:
     return shared
 
 
-def _replacement(m, rule) -> tuple[nn.Module, str]:
+def _replacement(name, m, rule) -> tuple[nn.Module, str]:
     opts = dict(rule.options)
     if rule.apply in ("fewbit", "pwl"):
         spec = _spec_for(m, rule.apply, opts)
@@ -203,8 +204,11 @@ def _replacement(m, rule) -> tuple[nn.Module, str]:
     conv = isinstance(m, nn.Conv2d)
     if rule.apply == "actnn":
         cls = QConv2d if conv else QLinear
-        new = cls.from_module(m, bits=opts["bits"], group_size=opts["group_size"])
-        return new, f"{cls.__name__} ({opts['bits']}-bit saved input)"
+        bits = opts["bits"]
+        if opts["allocation"]:
+            bits = load_bits(opts["allocation"]).get(name, bits)
+        new = cls.from_module(m, bits=bits, group_size=opts["group_size"])
+        return new, f"{cls.__name__} ({bits}-bit saved input)"
     if rule.apply == "backrazor":
         cls = SparseConv2d if conv else SparseLinear
         new = cls.from_module(m, ratio=opts["ratio"], int8=opts["int8"])

@@ -58,7 +58,10 @@ class CompressedLinear(nn.Linear):
         return new
 
     def dense_forward(self, x, weight, bias):
-        return F.linear(x, weight.T if self.transposed else weight, bias)
+        # F.linear returns a view for inputs above 2-D; a custom Function's output must not be
+        # one, or in-place ops on it (an inplace ReLU) and FSDP2's hooks break.
+        y = F.linear(x.reshape(-1, x.shape[-1]), weight.T if self.transposed else weight, bias)
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     def input_grad(self, shape, weight, g):
         return g @ (weight.T if self.transposed else weight)

@@ -36,7 +36,7 @@ METHODS = {
     "fewbit": (("activation",), {"bits": 3, "spec": None}),
     "pwl": (("activation",), {"bits": 2, "spec": None}),
     "msnorm": (("norm",), {}),
-    "actnn": (("linear", "conv2d"), {"bits": 2, "group_size": 256}),
+    "actnn": (("linear", "conv2d"), {"bits": 2, "group_size": 256, "allocation": None}),
     "backrazor": (("linear", "conv2d"), {"ratio": 0.9, "int8": False}),
     "pooled": (("conv2d",), {"pool": 2}),
 }
@@ -197,6 +197,8 @@ def _option(method, key, value, where, base):
         return float(value)
     if key == "spec":
         return _spec_option(value, where, base)
+    if key == "allocation":
+        return _allocation_option(value, where, base)
     raise AssertionError(key)
 
 
@@ -220,6 +222,22 @@ def _spec_option(value, where, base):
     if base is not None and not path.is_absolute():
         path = base / path
     spec_mod.load(path)  # fail now, not halfway through compressing a model
+    return str(path.resolve())
+
+
+def _allocation_option(value, where, base):
+    """None, or a bits file (`actdesign allocate`, `calibrate`): its per-layer bits override
+    `bits` for the layers it names. Read now, so a bad file fails early; kept as a path."""
+    from actdesign.designer.allocate import load_bits
+
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.endswith(".json"):
+        raise ActdesignError(f"{where} must be the path of a .json bits file")
+    path = Path(value)
+    if base is not None and not path.is_absolute():
+        path = base / path
+    load_bits(path)
     return str(path.resolve())
 
 

@@ -261,3 +261,12 @@ def test_report_bytes_match_an_independent_count(saved):
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ActdesignError, match="unknown policy"):
         compress(block(), "fewbit7")
+
+
+def test_compressed_linear_output_takes_in_place_ops():
+    """The output is not a view, so an inplace activation after the layer works."""
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(inplace=True))
+    compress(model, "backrazor90")
+    x = torch.randn(4, 3, 16, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad.shape == x.shape

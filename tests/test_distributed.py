@@ -1,0 +1,231 @@
+"""Compressed models under DistributedDataParallel and FSDP2 (fully_shard): two CPU processes
+on the gloo backend, each with half of the global batch, against one process on the whole batch.
+
+The two processes run this file as a script, once for all cases, and save their losses and
+gradients; the tests compare them with single-process runs made here first. The processes
+inherit the environment (TRITON_INTERPRET, the session's ACTDESIGN_CACHE_DIR), so they import
+the op modules, fitted tables and numba kernels those runs rendered, fitted and compiled.
+
+Models are float64, which every method supports (ActNN quantizes in float32 internally), so
+deterministic methods must agree to float64 round-off. Split over two processes, every sum runs
+in another order; the longest (the loss averages 384 elements, a weight gradient sums 24 rows)
+have error bounds n·u·Σ|terms| with u = 1.1e-16, under 5e-14 of the summed magnitudes (seen:
+3e-16 of each tensor's largest entry). A tolerance of 1e-12 of the largest entry is far above
+that and far below any real difference, which is of the size of the gradients themselves.
+"""
+
+import os
+import subprocess
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from actdesign.runtime import compress
+
+WORLD = 2
+BATCH, TOKENS, WIDTH, HIDDEN = 8, 3, 16, 32
+ROUNDOFF = 1e-12
+DDP_CASES = ("fewbit3", "regelu2", "msnorm", "backrazor90", "actnn2")
+FSDP_CASE = "fewbit3+msnorm+backrazor90"  # every deterministic kind of module
+# What each policy must replace, so that a no-op compress cannot pass.
+REPLACED = {"fewbit3": {"act"}, "regelu2": {"act"}, "msnorm": {"norm"},
+            "backrazor90": {"fc1", "fc2"}, "actnn2": {"fc1", "fc2"},
+            FSDP_CASE: {"norm", "act", "fc1", "fc2"}}
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block: x + fc2(gelu(fc1(norm(x))))."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, HIDDEN)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, TOKENS, WIDTH, generator=g, dtype=torch.float64)
+    return x, torch.randn(x.shape, generator=g, dtype=torch.float64)
+
+
+def make_model(policy):
+    """(model, compress report): the same float64 model in every process, compressed unless
+    policy is None. The norm gets a non-trivial affine, so that folding it changes fc1."""
+    torch.manual_seed(0)  # also fixes the seeds ActNN layers draw when they are made
+    model = Block().double()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    report = None if policy is None else compress(model, policy, example_inputs=(batch()[0],))
+    return model, report
+
+
+def step(model, x, target):
+    """Forward and backward of a loss averaged over the local batch: DDP and FSDP average the
+    ranks' gradients, which is then the gradient of the global mean."""
+    loss = (model(x) - target).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+# --- the two processes ---------------------------------------------------------------------------
+
+def run_case(rank, mode, policy):
+    import torch.distributed as dist
+
+    x, target = batch()
+    local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    model, _ = make_model(policy)  # compressed before wrapping, as compress requires
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        loss = step(DistributedDataParallel(model), x[local], target[local])
+        grads = {name: p.grad for name, p in model.named_parameters()}
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for module in (model.fc1, model.fc2, model):  # per layer, then the rest, as usual
+            fully_shard(module, mesh=mesh)
+        loss = step(model, x[local], target[local])
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    dist.all_reduce(loss)  # gloo has no AVG
+    return {"loss": loss / WORLD, "grads": grads}
+
+
+def worker(rank, out: Path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=60))
+    results = {}
+    for mode, policy in [("ddp", p) for p in DDP_CASES] + [("fsdp", FSDP_CASE)]:
+        try:
+            results[mode, policy] = run_case(rank, mode, policy)
+        except Exception:  # reported by the test of this case; the others still run
+            results[mode, policy] = {"error": traceback.format_exc()}
+    torch.save(results, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), Path(sys.argv[2]))
+
+
+# --- the tests -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference():
+    """{policy: (loss, gradients)} of one process on the whole batch. Runs before the two
+    processes start, so the renders, fits and compiles are theirs to reuse from the cache."""
+    out = {}
+    for policy in (*DDP_CASES, FSDP_CASE):
+        model, report = make_model(policy)
+        assert {c.name for c in report.replaced} == REPLACED[policy], str(report)
+        loss = step(model, *batch())
+        out[policy] = loss, {name: p.grad for name, p in model.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(reference, tmp_path_factory):
+    """{(mode, policy): [rank 0's result, rank 1's result]} from two processes."""
+    out = tmp_path_factory.mktemp("distributed")
+    logs = [out / f"rank{rank}.log" for rank in range(WORLD)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as f:  # the child writes to its own copy of the descriptor
+            procs.append(subprocess.Popen([sys.executable, __file__, str(rank), str(out)],
+                                          env=os.environ, stdout=f, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=300)  # a hung collective times out after 60 s on its own
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{log.read_text()}"
+    results = [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+    return {key: [r[key] for r in results] for key in results[0]}
+
+
+def results_of(ranks, key):
+    for rank, r in enumerate(ranks[key]):
+        if "error" in r:
+            pytest.fail(f"{key} on rank {rank}:\n{r['error']}")
+    return ranks[key]
+
+
+def assert_roundoff_close(actual, expected, name):
+    torch.testing.assert_close(actual, expected, rtol=ROUNDOFF,
+                               atol=ROUNDOFF * expected.abs().max().item(), msg=name)
+
+
+def assert_matches(runs, loss, grads):
+    for run in runs:
+        torch.testing.assert_close(run["loss"], loss, rtol=ROUNDOFF, atol=0)
+        assert run["grads"].keys() == grads.keys()
+        for name, g in grads.items():
+            assert_roundoff_close(run["grads"][name], g, name)
+
+
+@pytest.mark.parametrize("policy", [p for p in DDP_CASES if p != "actnn2"])
+def test_ddp_matches_one_process(policy, reference, ranks):
+    assert_matches(results_of(ranks, ("ddp", policy)), *reference[policy])
+
+
+def test_fsdp2_matches_one_process(reference, ranks):
+    assert_matches(results_of(ranks, ("fsdp", FSDP_CASE)), *reference[FSDP_CASE])
+
+
+def test_ddp_actnn_within_one_step_per_element(ranks):
+    """Stochastic rounding draws other numbers in each process, so DDP cannot match one process
+    exactly. The ranks still agree exactly (they all-reduce), and only the weight gradients of
+    the quantized layers differ from the exact gradient: the forward and the input gradients are
+    exact. A restored input element is off by less than one quantization step of its group,
+    at most s_n = (max - min) / (2^bits - 1) over its sample n (a group lies in one sample), so
+    |dW - dW_exact| <= |G|^T s, with G the exact gradient of the layer's output. Seen: at
+    most half of that bound."""
+    runs = results_of(ranks, ("ddp", "actnn2"))
+    for name, g in runs[0]["grads"].items():
+        assert torch.equal(runs[1]["grads"][name], g), name
+
+    model, _ = make_model(None)
+    seen = {}
+
+    def keep(module, args, out):
+        out.retain_grad()
+        seen[module] = args[0], out
+
+    for layer in (model.fc1, model.fc2):
+        layer.register_forward_hook(keep)
+    loss = step(model, *batch())
+    torch.testing.assert_close(runs[0]["loss"], loss, rtol=ROUNDOFF, atol=0)
+    bits = 2  # actnn2
+    for name, p in model.named_parameters():
+        got = runs[0]["grads"][name]
+        if name not in ("fc1.weight", "fc2.weight"):
+            assert_roundoff_close(got, p.grad, name)
+            continue
+        x, out = seen[model.get_submodule(name.removesuffix(".weight"))]
+        flat = x.reshape(BATCH, -1)
+        step_size = (flat.amax(1) - flat.amin(1)) / (2**bits - 1)
+        # ActNN computes in float32: allow a few float32 roundings (2^-24 each) of the largest
+        # input of the sample on top of the step.
+        slack = 2.0**-18 * flat.abs().amax(1)
+        # The bound of row o of dW; every input element of a sample has the same error bound.
+        bound = torch.einsum("nto,n->o", out.grad.abs(), step_size + slack)[:, None]
+        error = (got - p.grad).abs()
+        assert (error <= bound + ROUNDOFF * p.grad.abs().max()).all(), (error / bound).max()
+        assert error.max() > 0, "the quantized copy was exact: ActNN did not run"
