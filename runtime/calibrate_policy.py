@@ -98,8 +98,8 @@ class Calibration:
             counts = {}
             for b in self.bits.values():
                 counts[b] = counts.get(b, 0) + 1
-            lines.append("ActNN bits: " + ", ".join(f"{n} layers at {b}"
-                                                    for b, n in sorted(counts.items())))
+            lines.append("ActNN bits: " + ", ".join(
+                f"{n} layer{'s' if n > 1 else ''} at {b}" for b, n in sorted(counts.items())))
         return "\n".join(lines)
 
 

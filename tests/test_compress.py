@@ -270,3 +270,16 @@ def test_compressed_linear_output_takes_in_place_ops():
     x = torch.randn(4, 3, 16, requires_grad=True)
     model(x).sum().backward()
     assert x.grad.shape == x.shape
+
+
+def test_actnn_allocation_file_sets_bits_per_layer(tmp_path):
+    (tmp_path / "bits.json").write_text('{"format": "actdesign.bits/1", "bits": {"up": 5}}')
+    model = block()
+    compress(model, {"rules": [{"target": "linear", "apply": "actnn", "bits": 3,
+                                "allocation": str(tmp_path / "bits.json")}]})
+    assert (model.up.bits, model.down.bits, model.head.bits) == (5, 3, 3)
+    (tmp_path / "per_sample.json").write_text('{"format": "actdesign.bits/1", '
+                                              '"bits": {"up": [1, 2]}}')
+    with pytest.raises(ActdesignError, match="one integer in 1..8"):
+        compress(block(), {"rules": [{"target": "linear", "apply": "actnn",
+                                      "allocation": str(tmp_path / "per_sample.json")}]})
