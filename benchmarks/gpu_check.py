@@ -1,7 +1,7 @@
 """One short device check, for a machine with a GPU: correctness of the Triton kernels (few-bit
 ops, MS norms, ActNN quantization) against the CPU reference, bit for bit where the layout
 promises it, and the peak memory and step time of a transformer block with and without the
-activation-side methods, in bf16 autocast.
+activation-side methods, in bf16 autocast; then GPT-2 and LLaMA profiles under two policies.
 
 Run: .venv/bin/python benchmarks/gpu_check.py [--device cuda|cpu]
 (On CPU it exercises the same script against the numba and torch paths.)
@@ -105,6 +105,19 @@ def block_memory(device, ops):
         print(f"{name}: saved {saved:.1f} MiB, peak {peak:.1f} MiB, step {ms:.2f} ms")
 
 
+def models(device):
+    """GPT-2 small and a 12-layer LLaMA, one step each: saved bytes, peak and time ratios."""
+    from actdesign.runtime.profile import profile
+
+    quick = device == "cpu"
+    for name in ("gpt2-tiny", "llama-tiny") if quick else ("gpt2", "llama"):
+        for policy in ("fewbit3+msnorm", "fewbit3+msnorm+actnn2"):
+            r = profile(name, policy, 8, 64 if quick else 512, device, repeats=1 if quick else 5)
+            d = r.to_dict()
+            print(f"{name} {policy}: saved {d['saved_ratio']:.3f}, peak {d['peak_ratio']:.3f} "
+                  f"({r.peak_kind}), time {d['time_ratio']:.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -113,6 +126,7 @@ def main():
     ops = runtime.load(spec.from_fit(fit_stepwise("gelu", 3)))
     ok = check_fewbit(ops, device) & check_norms(device) & check_actnn(device)
     block_memory(device, ops)
+    models(device)
     print("all exact checks passed" if ok else "SOME CHECKS FAILED")
     sys.exit(0 if ok else 1)
 

@@ -49,6 +49,7 @@ def test_fewbit_msnorm_keeps_the_forward_and_trains(name):
     inputs = batch(model)
     ref = logits(model, inputs)
     before = {type(m).__name__ for m in model.modules()}
+    act2cls = dict(transformers.activations.ACT2CLS)
     report = compress(model, "fewbit3+msnorm")
     skipped = {n: why for n, _, why in report.skipped}
     assert set(skipped) == set(REFUSED[name])
@@ -63,15 +64,18 @@ def test_fewbit_msnorm_keeps_the_forward_and_trains(name):
     scale = ref.abs().max().item()
     tol = 64 * torch.finfo(torch.float32).eps if name == "llama-tiny" else 1e-12
     torch.testing.assert_close(logits(model, inputs), ref, rtol=0, atol=tol * scale)
+    again = compress(model, "fewbit3+msnorm")  # idempotent: nothing new to replace
+    assert again.replaced == [] and {n for n, _, _ in again.skipped} == set(REFUSED[name])
     model.train()
     loss = model(**inputs).loss
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all()
                for p in model.parameters() if p.requires_grad and p.grad is not None)
-    # The library's own activation classes are untouched: a new model gets them again.
+    # The library's own activation table is untouched: a new model gets its classes again.
     fresh = {type(m).__name__ for m in build(name).modules()}
     assert fresh == before
+    assert all(v is transformers.activations.ACT2CLS[k] for k, v in act2cls.items())
 
 
 @pytest.mark.parametrize("name", ARCHS)

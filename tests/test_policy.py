@@ -43,7 +43,7 @@ def test_file_round_trip_resolves_spec_paths(tmp_path, make_spec):
 
 def test_defaults_are_filled_and_omitted_again():
     rule = P.load({"rules": [{"target": "linear", "apply": "actnn"}]}).rules[0]
-    assert dict(rule.options) == {"bits": 2, "group_size": 256}
+    assert dict(rule.options) == {"bits": 2, "group_size": 256, "allocation": None}
     assert rule.to_dict() == {"target": "linear", "apply": "actnn"}
 
 
