@@ -66,7 +66,7 @@ class Report:
         lines = [f"compress ({self.policy}): {len(self.replaced)} modules replaced, "
                  f"{len(self.skipped)} left alone"]
         for c in self.replaced:
-            lines.append(f"  {c.name or '(model)'}: {c.old} -> {c.new}")
+            lines.append(f"  {c.name}: {c.old} -> {c.new}")
         for name, kind, why in self.skipped:
             lines.append(f"  left alone {name} ({kind}): {why}")
         if self.before is not None:
@@ -93,9 +93,8 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
     if run is not None:
         with torch.enable_grad():
             report.before, _ = account(model, run)
-    new = {}  # module -> its replacement
     norms = {n: m for n, (m, rule) in chosen.items() if rule.apply == "msnorm"}
-    new |= _fold_norms(model, norms, run, report)
+    new = _fold_norms(model, norms, run, report)  # module -> its replacement
     for name, (m, rule) in chosen.items():
         if rule.apply == "msnorm":
             continue
@@ -153,6 +152,7 @@ def _fold_norms(model, norms: dict, run, report) -> dict:
         folding = {}
     readers = norm_consumers(model, folding, run) if folding else {}
     shared = _shared_weights(model)
+    names = {r: n for n, r in model.named_modules()}
     for name, m in {**plain, **folding}.items():
         found = [] if name in plain else readers[name]
         if isinstance(found, list):
@@ -167,7 +167,6 @@ def _fold_norms(model, norms: dict, run, report) -> dict:
         except ActdesignError as exc:
             report.skipped.append((name, type(m).__name__, str(exc)))
             continue
-        names = {r: n for n, r in model.named_modules()}
         into = f", affine folded into {', '.join(names[r] for r in found)}" if found else ""
         report.replaced.append(Change(name, type(m).__name__,
                                       f"{type(new[m]).__name__}{into}"))
