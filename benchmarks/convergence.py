@@ -1,0 +1,311 @@
+"""Convergence of a small character-level GPT trained with each memory-saving method, against
+the plain model, on real text: the Python standard library's own source.
+
+Data: the top-level `*.py` files of `sysconfig.get_paths()["stdlib"]` (no test directories,
+no site-packages), sorted by name; every 10th file goes to validation, the rest to training,
+so the split is by file and the same on every run of one Python version. Tokens are bytes
+(vocabulary 256): every file reads without decoding errors, nothing needs a tokenizer, and
+ln(256) = 5.55 nats is the loss of a uniform guess.
+
+Every variant starts from the same weights (one model built from the seed, copied), sees the
+same training batches in the same order and is evaluated on the same fixed validation batches
+every K steps. Variants other than the baseline are made by `actdesign.runtime.compress` with
+a policy preset; `actnn2` then calibrates its bit widths per layer (2 bits on average) on a few
+training batches.
+
+Reported per variant: final validation loss and its difference to the baseline's, the bytes
+autograd saves for one training step (distinct storages, parameters aside) and their ratio to
+the baseline's, the median time of a training step and its ratio, and whether the variant
+meets its goal (final validation loss within 1% of the baseline's; 3% for actnn2). The
+validation curves go to one PNG.
+
+Run: .venv/bin/python benchmarks/convergence.py [--quick] [--markdown] [--variants a,b]
+         [--steps N] [--seed S] [--plot out/convergence.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from measure import saved_storages, table
+from torch import nn
+
+VOCAB = 256  # bytes
+VARIANTS = ["baseline", "fewbit3", "regelu2", "msnorm", "fewbit3+msnorm", "actnn2",
+            "backrazor90"]
+GOALS = {"fewbit3": 0.01, "regelu2": 0.01, "msnorm": 0.01, "fewbit3+msnorm": 0.01,
+         "actnn2": 0.03}  # allowed relative excess of the final validation loss
+CALIBRATION_BATCHES = 4
+
+
+@dataclass
+class Config:
+    d: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int
+    steps: int
+    lr: float
+    eval_every: int
+    val_batches: int
+
+
+DEFAULT = Config(d=128, layers=4, heads=4, seq=128, batch=16, steps=800, lr=3e-3,
+                 eval_every=50, val_batches=16)
+QUICK = Config(d=32, layers=1, heads=2, seq=32, batch=4, steps=20, lr=3e-3, eval_every=10,
+               val_batches=2)
+
+
+# --- data -----------------------------------------------------------------------------------
+
+def stdlib_text() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(train bytes, validation bytes, number of files): every 10th file (by sorted name) is
+    validation, so no file is split between the two."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    train, val = bytearray(), bytearray()
+    for i, path in enumerate(files):
+        (val if i % 10 == 9 else train).extend(path.read_bytes())
+    as_tensor = lambda b: torch.frombuffer(b, dtype=torch.uint8).long()  # noqa: E731
+    return as_tensor(train), as_tensor(val), len(files)
+
+
+def windows(text: torch.Tensor, starts: torch.Tensor, seq: int):
+    """(inputs, targets) for windows of seq + 1 bytes at `starts` (shape batch)."""
+    chunk = text[starts[:, None] + torch.arange(seq + 1)]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def train_batches(text, cfg: Config, seed: int) -> list:
+    """The training batches of every step, drawn once so every variant sees the same order."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(text) - cfg.seq - 1, (cfg.steps, cfg.batch), generator=gen)
+    return [windows(text, s, cfg.seq) for s in starts]
+
+
+def val_batches(text, cfg: Config) -> list:
+    """Fixed validation batches, evenly spaced over the whole validation text."""
+    n = cfg.val_batches * cfg.batch
+    starts = torch.linspace(0, len(text) - cfg.seq - 1, n).long()
+    return [windows(text, s, cfg.seq) for s in starts.view(cfg.val_batches, cfg.batch)]
+
+
+# --- model ----------------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, cfg.d), nn.Embedding(cfg.seq, cfg.d)
+        self.blocks = nn.Sequential(*(Block(cfg.d, cfg.heads) for _ in range(cfg.layers)))
+        self.ln_f, self.head = nn.LayerNorm(cfg.d), nn.Linear(cfg.d, VOCAB)  # untied
+        for m in self.modules():  # GPT-2's initialisation: small weights train faster
+            if isinstance(m, nn.Linear | nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+
+    def forward(self, tokens):
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+def loss_of(model, batch):
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+
+# --- variants and training ------------------------------------------------------------------
+
+def make_variant(base: nn.Module, name: str, batches: list) -> nn.Module:
+    """A copy of `base` with the variant's policy applied; actnn2 calibrated on `batches`."""
+    model = copy.deepcopy(base)
+    if name == "baseline":
+        return model
+    from actdesign.runtime import calibrate, compress
+
+    report = compress(model, name, example_inputs=(batches[0][0],))
+    print(report, file=sys.stderr)
+    if name.startswith("actnn"):  # allocate 2 bits on average, exactly per layer
+        bits = calibrate(model, batches[:CALIBRATION_BATCHES], avg_bits=2, loss=loss_of)
+        print(f"allocated bits: {bits}", file=sys.stderr)
+    return model
+
+
+def saved_bytes(model, batch) -> int:
+    """Bytes of the distinct storages autograd keeps for one training step's backward."""
+    return sum(saved_storages(loss_of, model, batch, skip=model.parameters())[0].values())
+
+
+@torch.no_grad()
+def val_loss(model, batches) -> float:
+    model.eval()
+    loss = statistics.fmean(loss_of(model, b).item() for b in batches)
+    model.train()
+    return loss
+
+
+def schedule(cfg: Config):
+    """Linear warmup over 5% of the steps, then cosine decay to 10% of the peak."""
+    warmup = max(1, cfg.steps // 20)
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, cfg.steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def train(model, cfg: Config, batches, val) -> tuple[list, float]:
+    """AdamW over the batches; returns ([(step, validation loss)], median seconds per step)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg))
+    curve, times = [(0, val_loss(model, val))], []
+    for step, batch in enumerate(batches, 1):
+        start = time.perf_counter()
+        loss = loss_of(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        times.append(time.perf_counter() - start)
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            curve.append((step, val_loss(model, val)))
+            print(f"  step {step}: train {loss.item():.3f}, val {curve[-1][1]:.3f}",
+                  file=sys.stderr, flush=True)
+    return curve, statistics.median(times)
+
+
+def plot(curves: dict, path: str, title: str):
+    """Left: validation loss from the first evaluation on (the drop from ln(256) hides the
+    rest); right: its difference to the baseline's, with the goals as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
+    base = dict(curves["baseline"])
+    for name, curve in curves.items():
+        steps, losses = zip(*curve[1:], strict=True)
+        style = {"label": name, "lw": 2 if name == "baseline" else 1}
+        ax.plot(steps, losses, **style)
+        rel.plot(steps, [100 * (loss / base[s] - 1) for s, loss in curve[1:]], **style)
+    for goal in sorted(set(GOALS.values())):
+        rel.axhline(100 * goal, color="gray", ls="--", lw=0.8)
+    ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title=title)
+    rel.set(xlabel="step", ylabel="difference to baseline (%)",
+            title="validation loss vs baseline (dashed: goals)")
+    for a in (ax, rel):
+        a.grid(alpha=0.3)
+    ax.legend()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model, a few steps (CI)")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated, from: " + ", ".join(VARIANTS))
+    parser.add_argument("--steps", type=int, help="training steps (default: by mode)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default="out/convergence.png")
+    args = parser.parse_args()
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := sorted(set(names) - set(VARIANTS)):
+        parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if "baseline" not in names:  # every ratio is against it
+        names.insert(0, "baseline")
+    cfg = replace(QUICK if args.quick else DEFAULT, **(
+        {"steps": args.steps} if args.steps else {}))
+
+    began = time.perf_counter()
+    train_text, val_text, files = stdlib_text()
+    batches, val = train_batches(train_text, cfg, args.seed), val_batches(val_text, cfg)
+    torch.manual_seed(args.seed)
+    base = GPT(cfg)
+    params = sum(p.numel() for p in base.parameters())
+    print(f"stdlib source: {files} files, {len(train_text) / 1e6:.2f} MB train, "
+          f"{len(val_text) / 1e6:.2f} MB validation (every 10th file); byte vocabulary\n"
+          f"GPT: d={cfg.d}, {cfg.layers} layers, {cfg.heads} heads, {params / 1e6:.2f}M "
+          f"parameters; batch {cfg.batch} x {cfg.seq} bytes, {cfg.steps} steps, AdamW lr "
+          f"{cfg.lr:g}, warmup + cosine; validation {cfg.val_batches} batches every "
+          f"{cfg.eval_every} steps; seed {args.seed}; float32, CPU ({os.cpu_count()} cores, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__})\n", flush=True)
+
+    results, curves = {}, {}
+    for name in names:
+        print(f"{name}:", file=sys.stderr, flush=True)
+        torch.manual_seed(args.seed)  # the same random state for every variant's layers
+        model = make_variant(base, name, batches)
+        nbytes = saved_bytes(model, batches[0])
+        curves[name], seconds = train(model, cfg, batches, val)
+        results[name] = curves[name][-1][1], nbytes, seconds
+
+    header = ["variant", "final val loss", "vs baseline", "saved MiB/step", "vs baseline",
+              "step ms", "time ratio", "goal"]
+    row = table(header, args.markdown, width=15, first=16)
+    base_loss, base_bytes, base_time = results["baseline"]
+    missed = []
+    for name, (loss, nbytes, seconds) in results.items():
+        excess = loss / base_loss - 1
+        goal = "-"
+        if name in GOALS:
+            met = excess <= GOALS[name]
+            goal = f"{'met' if met else 'MISSED'}, <= +{GOALS[name]:.0%}"
+            missed += [] if met else [name]
+        row([name, f"{loss:.4f}", f"{excess:+.2%}", f"{nbytes / 2**20:.2f}",
+             f"{nbytes / base_bytes:.1%}", f"{seconds * 1e3:.1f}",
+             f"{seconds / base_time:.2f}", goal])
+    plot(curves, args.plot, f"char-level GPT on stdlib source, {cfg.steps} steps")
+    print(f"\nbaseline: validation loss {curves['baseline'][0][1]:.3f} -> {base_loss:.3f} "
+          f"(uniform guess {math.log(VOCAB):.3f}); goals missed: {', '.join(missed) or 'none'}"
+          f"; plot: {args.plot}; wall time {time.perf_counter() - began:.0f} s")
+    if args.quick:
+        print("(--quick is a smoke test: too few steps for the goals to mean anything)")
+
+
+if __name__ == "__main__":
+    main()
