@@ -283,3 +283,21 @@ def test_actnn_allocation_file_sets_bits_per_layer(tmp_path):
     with pytest.raises(ActdesignError, match="one integer in 1..8"):
         compress(block(), {"rules": [{"target": "linear", "apply": "actnn",
                                       "allocation": str(tmp_path / "per_sample.json")}]})
+
+
+def test_generated_ops_keep_torch_thread_count(tmp_path):
+    """numba's parallel loops must not undo a user's torch.set_num_threads."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from torch import nn; from actdesign.runtime import compress\n"
+            "m = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 2))\n"
+            "compress(m, 'fewbit3')\n"
+            "m(torch.randn(16, 128, 64, requires_grad=True)).sum().backward()\n"
+            "print(torch.get_num_threads())\n")
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300, check=True).stdout
+    assert out.split() == ["1"]
