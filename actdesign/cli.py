@@ -242,8 +242,11 @@ def profile(model_name, policy, batch, seq, device, repeats, per_module, plot, j
         click.echo(text)
         return
     click.echo(result.table(per_module))
-    if result.report.skipped:
-        click.echo(f"left alone: {len(result.report.skipped)} modules (--json lists why)")
+    skipped = result.report.skipped
+    for name, kind, why in skipped[:8]:
+        click.echo(f"left alone {name} ({kind}): {why}")
+    if len(skipped) > 8:
+        click.echo(f"... and {len(skipped) - 8} more (--json lists all)")
     if plot:
         draw(result, plot, per_module)
         click.echo(f"wrote {plot}")
