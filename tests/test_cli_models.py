@@ -66,7 +66,8 @@ def test_profile_json_to_stdout_and_file_builder(capsys, user):
 
 
 def test_profile_builtin_config(capsys):
-    code, out, err = run(capsys, "profile", "--model", "gpt2-tiny", "--batch", "2", "--seq",
+    code, out, err = run(capsys, "profile", "--model", "gpt2-tiny", "--policy", "fewbit3+msnorm",
+                         "--batch", "2", "--seq",
                          "16", "--repeats", "1", "--per-module")
     assert code == 0, err
     assert "transformer.h.1.mlp.act" in out
