@@ -67,8 +67,7 @@ def test_profile_json_to_stdout_and_file_builder(capsys, user):
 
 def test_profile_builtin_config(capsys):
     code, out, err = run(capsys, "profile", "--model", "gpt2-tiny", "--policy", "fewbit3+msnorm",
-                         "--batch", "2", "--seq",
-                         "16", "--repeats", "1", "--per-module")
+                         "--batch", "2", "--seq", "16", "--repeats", "1", "--per-module")
     assert code == 0, err
     assert "transformer.h.1.mlp.act" in out
     assert "left alone transformer.ln_f (LayerNorm): a layer reading it shares its weight" in out
