@@ -40,6 +40,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/transformer_block.py --quick
 	$(BIN)/python benchmarks/allocate.py
 	$(BIN)/python benchmarks/compressed_layers.py --quick
+	$(BIN)/python benchmarks/models.py --quick
+	$(BIN)/python benchmarks/convergence.py --quick
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info
