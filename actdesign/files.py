@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -42,3 +43,25 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def read_json(path: str | Path, what: str):
+    """A JSON file's data; NaN and infinities are refused. Errors name the file and say why."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ActdesignError(f"{what} file {str(path)!r} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ActdesignError(f"cannot read {what} {str(path)!r}: {exc}") from None
+    return loads_json(text, str(path))
+
+
+def loads_json(text: str, origin: str):
+    def reject(constant):
+        raise ValueError(f"non-finite number {constant}")
+
+    try:
+        return json.loads(text, parse_constant=reject)
+    except ValueError as exc:
+        raise ActdesignError(f"{origin}: not valid JSON ({exc})") from None

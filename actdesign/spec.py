@@ -28,7 +28,7 @@ from . import __version__
 from .activation import Activation
 from .activation import from_dict as activation_from_dict
 from .errors import ActdesignError
-from .files import write_atomic
+from .files import loads_json, read_json, write_atomic
 
 FORMAT = "actdesign.spec/1"
 KINDS = ("stepwise", "pwl")
@@ -220,16 +220,8 @@ class _Validator:
         return [self.number(x, f"{path}[{i}]") for i, x in enumerate(values)]
 
 
-def _reject_constant(name):
-    raise ValueError(f"non-finite number {name}")
-
-
 def loads(text: str, origin: str = "spec") -> Spec:
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as exc:
-        raise ActdesignError(f"{origin}: not valid JSON ({exc})") from None
-    return validate(data, origin)
+    return validate(loads_json(text, origin), origin)
 
 
 def load(source) -> Spec:
@@ -238,14 +230,7 @@ def load(source) -> Spec:
         return source
     if isinstance(source, dict):
         return validate(source)
-    path = Path(source)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ActdesignError(f"spec file {str(path)!r} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ActdesignError(f"cannot read spec {str(path)!r}: {exc}") from None
-    return loads(text, str(path))
+    return validate(read_json(source, "spec"), str(source))
 
 
 def save(spec: Spec, path) -> Path:

@@ -210,17 +210,12 @@ BITS_FORMAT = "actdesign.bits/1"
 def load_stats(path) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(names, C, w) from a stats file: {"format": "actdesign.stats/1", "items": [{"name",
     "C", "w"}, ...]}, as calibration writes it."""
-    import json
     import math
 
+    from actdesign.files import read_json
+
     origin = str(path)
-    try:
-        data = json.loads(open(path, encoding="utf-8").read(),
-                          parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-    except FileNotFoundError:
-        raise ActdesignError(f"stats file {origin!r} not found") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ActdesignError(f"{origin}: not a readable JSON stats file ({exc})") from None
+    data = read_json(path, "stats")
     if not (isinstance(data, dict) and data.get("format") == STATS_FORMAT
             and isinstance(data.get("items"), list) and data["items"]):
         raise ActdesignError(f"{origin}: must be {{\"format\": \"{STATS_FORMAT}\", "
@@ -266,16 +261,10 @@ def save_bits(path, result: Allocation, bits: dict, **extra) -> None:
 
 def load_bits(path) -> dict[str, int]:
     """{name: bits} from a bits file that `save_bits` wrote (per-layer bits only)."""
-    import json
+    from actdesign.files import read_json
 
     origin = str(path)
-    try:
-        data = json.loads(open(path, encoding="utf-8").read(),
-                          parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-    except FileNotFoundError:
-        raise ActdesignError(f"bits file {origin!r} not found") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ActdesignError(f"{origin}: not a readable JSON bits file ({exc})") from None
+    data = read_json(path, "bits")
     bits = data.get("bits") if isinstance(data, dict) else None
     if not (isinstance(data, dict) and data.get("format") == BITS_FORMAT
             and isinstance(bits, dict)):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actdesign.errors import ActdesignError
-from actdesign.files import write_atomic
+from actdesign.files import read_json, write_atomic
 
 FORMAT = "actdesign.policy/1"
 TARGETS = ("activation", "norm", "linear", "conv2d")
@@ -112,17 +112,7 @@ def save(policy: Policy, path) -> Path:
 
 
 def _load_file(path: Path) -> Policy:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ActdesignError(f"policy file {str(path)!r} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ActdesignError(f"cannot read policy {str(path)!r}: {exc}") from None
-    try:
-        data = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-    except ValueError as exc:
-        raise ActdesignError(f"{path}: not valid JSON ({exc})") from None
-    return validate(data, str(path), base=path.parent, label=path.name)
+    return validate(read_json(path, "policy"), str(path), base=path.parent, label=path.name)
 
 
 def validate(data, origin: str = "policy", base: Path | None = None,
