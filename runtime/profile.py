@@ -10,12 +10,14 @@ CPU it is the saved-bytes account (torch keeps no CPU allocator peak). Times are
 from __future__ import annotations
 
 import copy
+import io
 import re
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map
 
 from . import models
 from .accounting import account
@@ -110,13 +112,7 @@ def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str
 
 
 def _to(inputs, device):
-    if isinstance(inputs, torch.Tensor):
-        return inputs.to(device)
-    if isinstance(inputs, dict):
-        return {k: _to(v, device) for k, v in inputs.items()}
-    if isinstance(inputs, tuple | list):
-        return type(inputs)(_to(v, device) for v in inputs)
-    return inputs
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
 
 
 def _measure(model, inputs, device, repeats, seed) -> Run:
@@ -171,8 +167,6 @@ def plot(result: Profile, path, per_module: bool = False) -> None:
     ax.set_title(f"{result.model}: {result.shape}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    import io
-
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
