@@ -14,18 +14,19 @@ from actdesign.runtime import QConv2d, QLinear, actnn_ops
 @pytest.mark.parametrize("m", [1, 7, 256, 1000])
 @pytest.mark.parametrize("group", [8, 256])
 @pytest.mark.parametrize("bits", [[1, 2, 3, 4], [5, 6, 7, 8], [3, 3, 3, 3]])
-def test_triton_kernels_match_the_torch_path(m, group, bits, monkeypatch):
+def test_kernels_match_the_torch_path(m, group, bits, monkeypatch):
     ops = actnn_ops()
     x = torch.randn(4, m) * torch.tensor([1.0, 10.0, 0.0, 1e-3])[:, None]
     b = torch.tensor(bits, dtype=torch.int8)
     out = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "numba"):
         monkeypatch.setenv("ACTDESIGN_BACKEND", backend)
         packed, lo, width = ops.quantize(x, b, 77, group)
         out[backend] = (packed, lo, width, ops.dequantize(packed, lo, width, b, m, group,
                                                           torch.float32))
-    for a, c in zip(out["torch"], out["triton"], strict=True):
-        assert torch.equal(a, c)
+    for backend in ("triton", "numba"):
+        for a, c in zip(out["torch"], out[backend], strict=True):
+            assert torch.equal(a, c), backend
     packed, lo, width, xh = out["torch"]
     assert packed.numel() == sum(math.ceil(m * k / 8) for k in bits)
     assert torch.equal(xh[2], x[2])  # a constant sample is exact
