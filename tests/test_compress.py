@@ -285,7 +285,8 @@ def test_actnn_allocation_file_sets_bits_per_layer(tmp_path):
                                       "allocation": str(tmp_path / "per_sample.json")}]})
 
 
-def test_generated_ops_keep_torch_thread_count(tmp_path):
+@pytest.mark.parametrize("policy", ["fewbit3", "actnn2"])
+def test_generated_ops_keep_torch_thread_count(policy):
     """numba's parallel loops must not undo a user's torch.set_num_threads."""
     import os
     import subprocess
@@ -294,7 +295,7 @@ def test_generated_ops_keep_torch_thread_count(tmp_path):
     code = ("import torch; torch.set_num_threads(1)\n"
             "from torch import nn; from actdesign.runtime import compress\n"
             "m = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 2))\n"
-            "compress(m, 'fewbit3')\n"
+            f"compress(m, {policy!r})\n"
             "m(torch.randn(16, 128, 64, requires_grad=True)).sum().backward()\n"
             "print(torch.get_num_threads())\n")
     env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
