@@ -121,10 +121,11 @@ def calibrate_policy(model: torch.nn.Module, batches, policy="fewbit3", *, bits:
     tables = _fit_tables(model, targets, _record(model, targets, fresh))
     rules = [{"target": "activation", "name": t.name, "apply": "fewbit", "bits": t.bits,
               "spec": t.spec.to_dict()} for t in tables]
-    allocated = _allocate(model, base, rules, fresh, loss, actnn_bits)
+    base_rules = [r.to_dict() for r in base.rules]
+    allocated = _allocate(model, base, rules + base_rules, fresh, loss, actnn_bits)
     rules += [{"target": "conv2d" if conv else "linear", "name": name, "apply": "actnn",
                "bits": b} for name, (b, conv) in allocated.items()]
-    rules += [r.to_dict() for r in base.rules]
+    rules += base_rules
     result = policy_mod.validate({"format": policy_mod.FORMAT, "rules": rules},
                                  label=f"calibrated {base.label}")
     return Calibration(result, tables, {n: b for n, (b, _) in allocated.items()})
@@ -172,7 +173,8 @@ def _fit_tables(model, targets, hists) -> list[LayerTable]:
 
 
 def _allocate(model, base, rules, fresh, loss, actnn_bits) -> dict:
-    """{layer: (bits, is conv)} from an exact allocation, if the base policy uses actnn."""
+    """{layer: (bits, is conv)} from an exact allocation, if the base policy uses actnn.
+    `rules` make the compressed copy the statistics run on."""
     actnn = {r.option("bits") for r in base.rules if r.apply == "actnn"}
     if not actnn:
         return {}
@@ -182,9 +184,7 @@ def _allocate(model, base, rules, fresh, loss, actnn_bits) -> dict:
     avg = actnn_bits if actnn_bits is not None else actnn.pop()
     trial = copy.deepcopy(model)
     first = next(iter(fresh()))
-    compress(trial, {"format": policy_mod.FORMAT, "rules": rules + [r.to_dict() for r in
-                                                                     base.rules]},
-             example_inputs=first)
+    compress(trial, {"format": policy_mod.FORMAT, "rules": rules}, example_inputs=first)
     bits = calibrate(trial, fresh(), avg_bits=avg, loss=loss)
     convs = {n for n, m in trial.named_modules() if isinstance(m, torch.nn.Conv2d)}
     return {name: (int(b), name in convs) for name, b in bits.items()}

@@ -163,7 +163,7 @@ def _fold_norms(model, norms: dict, run, report) -> dict:
             report.skipped.append((name, type(m).__name__, found))
             continue
         try:
-            new[m] = fold_norm_affine(m, found) if found else _plain_ms(m)
+            new[m] = fold_norm_affine(m, found)  # an affine-free norm has nothing to fold
         except ActdesignError as exc:
             report.skipped.append((name, type(m).__name__, str(exc)))
             continue
@@ -175,13 +175,6 @@ def _fold_norms(model, norms: dict, run, report) -> dict:
 
 def _affine_free(norm) -> bool:
     return getattr(norm, "weight", None) is None and getattr(norm, "bias", None) is None
-
-
-def _plain_ms(norm):
-    from .norms import MSLayerNorm, MSRMSNorm, _affine
-
-    kind, d, eps, _, _ = _affine(norm)
-    return (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps)
 
 
 def _shared_weights(model) -> set:

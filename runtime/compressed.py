@@ -13,6 +13,8 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 
+from .targets import is_hf_conv1d
+
 
 class _CompressedInput(torch.autograd.Function):
     @staticmethod
@@ -47,8 +49,6 @@ class CompressedLinear(nn.Linear):
 
     @classmethod
     def from_module(cls, linear: nn.Module, **options):
-        from .targets import is_hf_conv1d
-
         transposed = is_hf_conv1d(linear)
         if not (isinstance(linear, nn.Linear) or transposed):
             raise ActdesignError(f"from_module needs an nn.Linear, got {type(linear).__name__}")

@@ -16,6 +16,7 @@ from actdesign.codegen.render import render_norms
 from actdesign.errors import ActdesignError
 
 from .cache import generated
+from .targets import is_hf_conv1d, linear_like
 
 
 def norm_ops():
@@ -68,17 +69,16 @@ def fold_norm_affine(norm: nn.Module, linears, *, feeds_residual: bool = False) 
     attention block, the first MLP layer). In a post-norm block the output also feeds the
     residual, which would lose γ and β: say so with `feeds_residual=True`, and the fold is
     refused rather than producing a different model. Linear weights shared with other modules
-    (tied weights) change with the fold.
+    (tied weights) change with the fold. A norm without γ and β needs no layers.
     """
     if feeds_residual:
         raise ActdesignError("this norm's output also feeds the residual (a post-norm block): "
                              "its γ and β cannot move into the Linear layers alone; keep the "
                              "norm, or use a pre-norm block")
-    from .targets import is_hf_conv1d
-
     kind, d, eps, gamma, beta = _affine(norm)
     linears = list(linears)
-    if not linears or not all(isinstance(m, nn.Linear) or is_hf_conv1d(m) for m in linears):
+    affine = gamma is not None or beta is not None
+    if (affine and not linears) or not all(linear_like(m) for m in linears):
         raise ActdesignError("fold_norm_affine needs the nn.Linear layers that read the norm")
     for m in linears:
         inputs = m.weight.shape[0 if is_hf_conv1d(m) else 1]

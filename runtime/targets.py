@@ -8,9 +8,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from .compressed import CompressedConv2d, CompressedLinear
-from .norms import MSLayerNorm, MSRMSNorm
-
 
 def _gelu(m):
     return {"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate)
@@ -89,12 +86,6 @@ def target_of(m: nn.Module) -> str | None:
     if is_activation(m):
         return "activation"
     return None
-
-
-def is_compressed(m: nn.Module) -> bool:
-    """A module compress made (or that already keeps a compressed input)."""
-    return isinstance(m, CompressedLinear | CompressedConv2d | MSLayerNorm | MSRMSNorm) or \
-        type(m).__module__.startswith("actdesign_ops_")
 
 
 def linear_like(m: nn.Module) -> bool:
