@@ -212,6 +212,10 @@ _MODEL_HELP = ("A built-in transformers config (gpt2, llama, bert, vit, or their
 @click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
               help="Sequence length (text models).")
 @click.option("--device", default=None, help="cpu or cuda [cuda when available].")
+@click.option("--precision", type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
+              default=None, help="fp32; bf16-autocast (float32 weights, the forward under "
+                                 "bfloat16 autocast); bf16 (bfloat16 weights and inputs) "
+                                 "[bf16-autocast on CUDA, fp32 on CPU].")
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
               help="Timed steps per model (after one warm-up step); the median is reported.")
 @click.option("--per-module", is_flag=True, help="One row per module, not per layer pattern.")
@@ -219,7 +223,8 @@ _MODEL_HELP = ("A built-in transformers config (gpt2, llama, bert, vit, or their
               help="Also draw the saved bytes by module as a bar chart.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
               metavar="FILE", help="Also write the measurements as JSON ('-': stdout only).")
-def profile(model_name, policy, batch, seq, device, repeats, per_module, plot, json_out):
+def profile(model_name, policy, batch, seq, device, precision, repeats, per_module, plot,
+            json_out):
     """One training step of a model, baseline and compressed with POLICY: bytes saved for the
     backward by module, peak memory and step time."""
     import json
@@ -236,7 +241,7 @@ def profile(model_name, policy, batch, seq, device, repeats, per_module, plot, j
         if path:
             check_writable(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    result = run(model_name, policy, batch, seq, device, repeats)
+    result = run(model_name, policy, batch, seq, device, repeats, precision=precision)
     text = json.dumps(result.to_dict(), indent=1)
     if json_out == "-":
         click.echo(text)

@@ -3,6 +3,12 @@
 The forward and the input gradient are exact. A layer says how it compresses x for the
 backward (`compress`: x -> tensors to save) and how it restores an approximation
 (`restore`: saved tensors -> x^); the weight gradient is then computed from x^.
+
+Under autocast the layers follow nn.Linear's and nn.Conv2d's dtype rules: x, the weight and
+the bias are cast to the autocast dtype (by autograd-tracked casts, so the gradients come back
+in each tensor's own dtype), and the function itself runs with autocast off, forward and
+backward alike, as torch's `custom_fwd(cast_inputs=...)` convention does. So the compressed copy
+is taken from the very tensor the matmul consumed.
 """
 
 from __future__ import annotations
@@ -14,6 +20,22 @@ from torch import nn
 from actdesign.errors import ActdesignError
 
 from .targets import is_hf_conv1d
+
+
+def compressed_call(layer, x, weight, bias):
+    """layer's forward on x with a compressed saved input, under autocast's casts if it is on."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight, bias = (_autocast(t, dtype) for t in (x, weight, bias))
+    with torch.autocast(device, enabled=False):
+        return _CompressedInput.apply(x, weight, bias, layer)
+
+
+def _autocast(t, dtype):
+    """What autocast does to an input of a lower-precision op: cast 16- and 32-bit floats."""
+    eligible = t is not None and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return t.to(dtype) if eligible else t
 
 
 class _CompressedInput(torch.autograd.Function):
@@ -29,10 +51,12 @@ class _CompressedInput(torch.autograd.Function):
         weight, *saved = ctx.saved_tensors
         layer = ctx.layer
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = layer.input_grad(ctx.shape, weight, g)
-        if ctx.needs_input_grad[1]:
-            grad_w = layer.weight_grad(layer.restore(saved, ctx.shape, ctx.dtype), weight, g)
+        with torch.autocast(g.device.type, enabled=False):  # as in the forward
+            if ctx.needs_input_grad[0]:
+                grad_x = layer.input_grad(ctx.shape, weight, g)
+            if ctx.needs_input_grad[1]:
+                x = layer.restore(saved, ctx.shape, ctx.dtype)
+                grad_w = layer.weight_grad(x, weight, g)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(tuple(i for i in range(g.dim()) if i != layer.channel_dim(g)))
         return grad_x, grad_w, grad_b, None
@@ -45,7 +69,7 @@ class CompressedLinear(nn.Linear):
     transposed = False
 
     def forward(self, x):
-        return _CompressedInput.apply(x, self.weight, self.bias, self)
+        return compressed_call(self, x, self.weight, self.bias)
 
     @classmethod
     def from_module(cls, linear: nn.Module, **options):
@@ -89,7 +113,7 @@ class CompressedConv2d(nn.Conv2d):
     def forward(self, x):
         if x.dim() != 4:
             raise ValueError(f"{type(self).__name__} expects (N, C, H, W), got {tuple(x.shape)}")
-        return _CompressedInput.apply(x, self.weight, self.bias, self)
+        return compressed_call(self, x, self.weight, self.bias)
 
     @classmethod
     def from_module(cls, conv: nn.Conv2d, **options):

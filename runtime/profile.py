@@ -1,5 +1,10 @@
 """One training step of a model, baseline and compressed: saved bytes by module, peak memory
-and step time.
+and step time, in a chosen precision.
+
+Precisions: `fp32`; `bf16-autocast`, float32 weights with the forward under
+`torch.autocast(dtype=torch.bfloat16)` and the backward outside it, as torch recommends; and
+`bf16`, weights and floating inputs in bfloat16. The default is bf16-autocast on CUDA and fp32
+on CPU.
 
 Saved bytes are the distinct storages autograd keeps for the backward (parameters aside), each
 charged to the module that first saved it. Peak memory is CUDA's allocator peak on a GPU; on
@@ -9,6 +14,7 @@ CPU it is the saved-bytes account (torch keeps no CPU allocator peak). Times are
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import re
@@ -19,9 +25,17 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map
 
+from actdesign.errors import ActdesignError
+
 from . import models
 from .accounting import account
 from .compress import Report, compress
+
+PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+
+
+def default_precision(device: str) -> str:
+    return "bf16-autocast" if device.startswith("cuda") else "fp32"
 
 
 @dataclass
@@ -38,6 +52,7 @@ class Profile:
     policy: str
     shape: str
     device: str
+    precision: str
     peak_kind: str
     baseline: Run
     compressed: Run
@@ -59,7 +74,8 @@ class Profile:
                     "saved_by_module": r.saved}
 
         return {"model": self.model, "policy": self.policy, "shape": self.shape,
-                "device": self.device, "peak_kind": self.peak_kind,
+                "device": self.device, "precision": self.precision,
+                "peak_kind": self.peak_kind,
                 "baseline": run(self.baseline), "compressed": run(self.compressed),
                 "saved_ratio": _ratio(self.compressed.total, self.baseline.total),
                 "peak_ratio": _ratio(self.compressed.peak, self.baseline.peak),
@@ -67,7 +83,8 @@ class Profile:
                 "compress": self.report.to_dict()}
 
     def table(self, per_module: bool = False) -> str:
-        lines = [f"{self.model}, policy {self.policy}, {self.shape}, on {self.device}",
+        lines = [f"{self.model}, policy {self.policy}, {self.shape}, {self.precision}, "
+                 f"on {self.device}",
                  f"{'saved for backward':<48}{'baseline KiB':>14}{'compressed KiB':>16}"
                  f"{'ratio':>8}"]
         for name, a, b in self.rows(per_module):
@@ -92,33 +109,57 @@ def _fmt(r) -> str:
 
 
 def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str = "cpu",
-            repeats: int = 3, seed: int = 0) -> Profile:
+            repeats: int = 3, seed: int = 0, precision: str | None = None) -> Profile:
     """Build the model (a built-in name or a `module:function` builder), copy it, compress the
-    copy with `policy`, and measure one training step of each on the same random batch."""
+    copy with `policy`, and measure one training step of each on the same random batch, in
+    `precision` (one of PRECISIONS; default: bf16-autocast on CUDA, fp32 on CPU)."""
+    precision = precision or default_precision(device)
+    if precision not in PRECISIONS:
+        raise ActdesignError(f"precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {precision!r}")
     model, make_batch = models.build(model_name, seed)
     model = model.to(device).train()
     inputs = models.example_batch(model, batch, seq, make_batch, seed)
-    inputs = _to(inputs, device)
     small = models.example_batch(model, 2, min(seq, 8), make_batch, seed)
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    if dtype is not None:
+        model.to(dtype)
+    inputs, small = _to(inputs, device, dtype), _to(small, device, dtype)
     compressed = copy.deepcopy(model)
-    report = compress(compressed, policy, example_inputs=_to(small, device))
-    runs = [_measure(m, inputs, device, repeats, seed) for m in (model, compressed)]
+    report = compress(compressed, policy, example_inputs=small)
+    runs = [_measure(m, inputs, device, precision, repeats, seed) for m in (model, compressed)]
     vision = getattr(getattr(model, "config", None), "image_size", None)
     shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision and make_batch is None
                                   else f"sequence {seq}")
-    return Profile(model_name, report.policy, shape, device,
+    return Profile(model_name, report.policy, shape, device, precision,
                    "CUDA allocator" if device.startswith("cuda") else "saved-bytes account",
                    runs[0], runs[1], report)
 
 
-def _to(inputs, device):
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
+def _to(inputs, device, dtype=None):
+    """Inputs on the device; floating tensors in `dtype` too, when given."""
+    def move(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.to(device, dtype if dtype is not None and t.is_floating_point() else None)
+    return tree_map(move, inputs)
 
 
-def _measure(model, inputs, device, repeats, seed) -> Run:
+def forward_context(precision: str, device: str):
+    """Where the forward runs: under bfloat16 autocast for bf16-autocast, else as it is."""
+    if precision == "bf16-autocast":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _measure(model, inputs, device, precision, repeats, seed) -> Run:
+    def loss():
+        with forward_context(precision, device):
+            return models.loss_of(models.call(model, inputs))
+
     def step():
         model.zero_grad(set_to_none=True)
-        models.loss_of(models.call(model, inputs)).backward()
+        loss().backward()
 
     cuda = device.startswith("cuda")
     torch.manual_seed(seed)
@@ -128,7 +169,7 @@ def _measure(model, inputs, device, repeats, seed) -> Run:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(seed)
-    saved, out = account(model, lambda: models.loss_of(models.call(model, inputs)))
+    saved, out = account(model, loss)
     out.backward()
     peak = torch.cuda.max_memory_allocated() if cuda else saved.total
     del out

@@ -17,7 +17,7 @@ from actdesign.codegen.render import render_actnn
 from actdesign.errors import ActdesignError
 
 from .cache import generated
-from .compressed import CompressedConv2d, CompressedLinear, _CompressedInput
+from .compressed import CompressedConv2d, CompressedLinear, compressed_call
 
 
 def actnn_ops():
@@ -88,7 +88,7 @@ def qlinear(x, weight, bias=None, *, bits=2, group_size=256):
     """F.linear whose input is kept for the weight gradient as b-bit group codes."""
     layer = QLinear(weight.shape[1], weight.shape[0], bias is not None, bits=bits,
                     group_size=group_size, device="meta")
-    return _CompressedInput.apply(x, weight, bias, layer)
+    return compressed_call(layer, x, weight, bias)
 
 
 def qconv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, bits=2,
@@ -97,4 +97,4 @@ def qconv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, 
     layer = QConv2d(weight.shape[1] * groups, weight.shape[0], weight.shape[2:], stride,
                     padding, dilation, groups, bias is not None, bits=bits,
                     group_size=group_size, device="meta")
-    return _CompressedInput.apply(x, weight, bias, layer)
+    return compressed_call(layer, x, weight, bias)

@@ -63,12 +63,15 @@ def test_profile_json_to_stdout_and_file_builder(capsys, user):
     assert code == 0, err
     data = json.loads(out)
     assert data["saved_ratio"] == 1.0 and data["compress"]["replaced"] == []
+    assert data["precision"] == "fp32"  # the default on CPU
 
 
 def test_profile_builtin_config(capsys):
     code, out, err = run(capsys, "profile", "--model", "gpt2-tiny", "--policy", "fewbit3+msnorm",
-                         "--batch", "2", "--seq", "16", "--repeats", "1", "--per-module")
+                         "--batch", "2", "--seq", "16", "--repeats", "1", "--per-module",
+                         "--precision", "bf16-autocast")
     assert code == 0, err
+    assert "gpt2-tiny, policy fewbit3+msnorm, batch 2, sequence 16, bf16-autocast, on cpu" in out
     assert "transformer.h.1.mlp.act" in out
     assert "left alone transformer.ln_f (LayerNorm): a layer reading it shares its weight" in out
 
@@ -96,6 +99,8 @@ ERRORS = {
     "bad syntax": (["profile", "--model", "usermodels:"], "expected package.module:function"),
     "bad policy": (["profile", "--model", "usermodels:build", "--policy", "fewbit9"],
                    "unknown policy"),
+    "bad precision": (["profile", "--model", "usermodels:build", "--precision", "fp16"],
+                      "'fp16' is not one of 'fp32', 'bf16-autocast', 'bf16'"),
     "bad policy file": (["profile", "--model", "usermodels:build", "--policy", "p.json"],
                         "not found"),
     "bad data": (["calibrate", "--model", "usermodels:build", "--data", "usermodels:not_batches",

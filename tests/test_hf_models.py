@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
+from actdesign.errors import ActdesignError
 from actdesign.runtime import MSLayerNorm, MSRMSNorm, account, compress, models
 from actdesign.runtime.calibrate_policy import calibrate_policy
-from actdesign.runtime.profile import profile
+from actdesign.runtime.profile import PRECISIONS, profile
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,6 +130,22 @@ def test_profile_reports_a_saving(name):
     json.dumps(data)
     table = result.table()
     assert "total" in table and "step time" in table
+
+
+def test_profile_precisions():
+    """bf16 weights and inputs save the least; autocast also keeps the bf16 copies of the
+    weights it casts, which at this tiny shape outweigh the activations it halves."""
+    results = {p: profile("llama-tiny", "fewbit3+msnorm+actnn2", batch=2, seq=16, repeats=1,
+                          precision=p).to_dict() for p in PRECISIONS}
+    assert profile("llama-tiny", "none", batch=1, seq=4, repeats=1).precision == "fp32"
+    fp32, autocast, bf16 = (results[p] for p in ("fp32", "bf16-autocast", "bf16"))
+    assert [r["precision"] for r in results.values()] == list(PRECISIONS)
+    assert bf16["baseline"]["saved_bytes"] < min(autocast["baseline"]["saved_bytes"],
+                                                 fp32["baseline"]["saved_bytes"])
+    for r in results.values():
+        assert 0 < r["saved_ratio"] < 1
+    with pytest.raises(ActdesignError, match="precision must be one of"):
+        profile("llama-tiny", "none", precision="fp16")
 
 
 @pytest.mark.parametrize("name", ARCHS)
