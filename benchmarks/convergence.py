@@ -9,18 +9,26 @@ ln(256) = 5.55 nats is the loss of a uniform guess.
 
 Every variant starts from the same weights (one model built from the seed, copied), sees the
 same training batches in the same order and is evaluated on the same fixed validation batches
-every K steps. Variants other than the baseline are made by `actdesign.runtime.compress` with
-a policy preset; `actnn2` then calibrates its bit widths per layer (2 bits on average) on a few
+every K steps. With several seeds (`--seeds 0 1 2`) the comparison repeats per seed
+(weights and batch order change) and the goals are judged on the mean excess over seeds.
+Variants other than the baseline are made by `actdesign.runtime.compress` with a policy
+preset; `actnn2` then calibrates its bit widths per layer (2 bits on average) on a few
 training batches.
 
 Reported per variant: final validation loss and its difference to the baseline's, the bytes
 autograd saves for one training step (distinct storages, parameters aside) and their ratio to
 the baseline's, the median time of a training step and its ratio, and whether the variant
 meets its goal (final validation loss within 1% of the baseline's; 3% for actnn2). The
-validation curves go to one PNG.
+validation curves (means over seeds) go to one PNG.
+
+Precision (`--precision`, as `actdesign profile`): fp32; bf16-autocast, the forward (training
+and validation) under bfloat16 autocast with float32 weights and optimizer; or bf16, weights
+and optimizer state in bfloat16. On a CPU without native bfloat16 arithmetic, bfloat16 matrix
+products are computed through float32 kernels unless `--native-cpu-bf16`
+(`measure.float32_matmuls`): the same numbers to accumulation order, many times faster there.
 
 Run: .venv/bin/python benchmarks/convergence.py [--quick] [--markdown] [--variants a,b]
-         [--steps N] [--seed S] [--plot out/convergence.png]
+         [--steps N] [--seeds S ...] [--precision P] [--device D] [--plot out/convergence.png]
 """
 
 from __future__ import annotations
@@ -38,14 +46,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from measure import saved_storages, table
+from measure import emulate_bf16_matmuls, float32_matmuls, saved_storages, table
 from torch import nn
 
+from actdesign.runtime.profile import PRECISIONS, default_precision, forward_context
+
 VOCAB = 256  # bytes
-VARIANTS = ["baseline", "fewbit3", "regelu2", "msnorm", "fewbit3+msnorm", "actnn2",
-            "backrazor90"]
+VARIANTS = ["baseline", "fewbit3", "regelu2", "msnorm", "fewbit3+msnorm", "regelu2+msnorm",
+            "actnn2", "backrazor90"]
 GOALS = {"fewbit3": 0.01, "regelu2": 0.01, "msnorm": 0.01, "fewbit3+msnorm": 0.01,
-         "actnn2": 0.03}  # allowed relative excess of the final validation loss
+         "regelu2+msnorm": 0.01, "actnn2": 0.03}  # allowed relative excess of the final
+# validation loss, averaged over seeds
 CALIBRATION_BATCHES = 4
 
 
@@ -143,41 +154,54 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, tokens):
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         return self.head(self.ln_f(self.blocks(x)))
 
 
-def loss_of(model, batch):
-    inputs, targets = batch
-    return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+@dataclass
+class Setting:
+    """Where and in which precision the steps run."""
+
+    device: str
+    precision: str
+    emulate_matmuls: bool = False  # measure.float32_matmuls around every step
+
+    def matmuls(self):
+        return float32_matmuls(self.emulate_matmuls)
+
+    def loss(self, model, batch):
+        inputs, targets = (t.to(self.device) for t in batch)
+        with forward_context(self.precision, self.device):
+            logits = model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 # --- variants and training ------------------------------------------------------------------
 
-def make_variant(base: nn.Module, name: str, batches: list) -> nn.Module:
+def make_variant(base: nn.Module, name: str, batches: list, setting: Setting) -> nn.Module:
     """A copy of `base` with the variant's policy applied; actnn2 calibrated on `batches`."""
     model = copy.deepcopy(base)
     if name == "baseline":
         return model
     from actdesign.runtime import calibrate, compress
 
-    report = compress(model, name, example_inputs=(batches[0][0],))
+    report = compress(model, name, example_inputs=(batches[0][0].to(setting.device),))
     print(report, file=sys.stderr)
     if name.startswith("actnn"):  # allocate 2 bits on average, exactly per layer
-        bits = calibrate(model, batches[:CALIBRATION_BATCHES], avg_bits=2, loss=loss_of)
+        bits = calibrate(model, batches[:CALIBRATION_BATCHES], avg_bits=2, loss=setting.loss)
         print(f"allocated bits: {bits}", file=sys.stderr)
     return model
 
 
-def saved_bytes(model, batch) -> int:
+def saved_bytes(model, batch, setting: Setting) -> int:
     """Bytes of the distinct storages autograd keeps for one training step's backward."""
-    return sum(saved_storages(loss_of, model, batch, skip=model.parameters())[0].values())
+    return sum(saved_storages(setting.loss, model, batch, skip=model.parameters())[0].values())
 
 
 @torch.no_grad()
-def val_loss(model, batches) -> float:
+def val_loss(model, batches, setting: Setting) -> float:
     model.eval()
-    loss = statistics.fmean(loss_of(model, b).item() for b in batches)
+    loss = statistics.fmean(setting.loss(model, b).item() for b in batches)
     model.train()
     return loss
 
@@ -194,22 +218,25 @@ def schedule(cfg: Config):
     return factor
 
 
-def train(model, cfg: Config, batches, val) -> tuple[list, float]:
+def train(model, cfg: Config, batches, val, setting: Setting) -> tuple[list, float]:
     """AdamW over the batches; returns ([(step, validation loss)], median seconds per step)."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg))
-    curve, times = [(0, val_loss(model, val))], []
+    curve, times = [(0, val_loss(model, val, setting))], []
+    sync = torch.cuda.synchronize if setting.device.startswith("cuda") else lambda: None
     for step, batch in enumerate(batches, 1):
+        sync()
         start = time.perf_counter()
-        loss = loss_of(model, batch)
+        loss = setting.loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        sync()
         times.append(time.perf_counter() - start)
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            curve.append((step, val_loss(model, val)))
+            curve.append((step, val_loss(model, val, setting)))
             print(f"  step {step}: train {loss.item():.3f}, val {curve[-1][1]:.3f}",
                   file=sys.stderr, flush=True)
     return curve, statistics.median(times)
@@ -243,6 +270,30 @@ def plot(curves: dict, path: str, title: str):
     plt.close(fig)
 
 
+def run_seed(names, cfg: Config, seed: int, setting: Setting, train_text, val_text) -> dict:
+    """{variant: (validation curve, saved bytes, median step seconds)} for one seed."""
+    batches, val = train_batches(train_text, cfg, seed), val_batches(val_text, cfg)
+    torch.manual_seed(seed)
+    base = GPT(cfg).to(setting.device)
+    if setting.precision == "bf16":
+        base.to(torch.bfloat16)
+    results = {}
+    for name in names:
+        print(f"{name}, seed {seed}:", file=sys.stderr, flush=True)
+        torch.manual_seed(seed)  # the same random state for every variant's layers
+        with setting.matmuls():
+            model = make_variant(base, name, batches, setting)
+            nbytes = saved_bytes(model, batches[0], setting)
+            curve, seconds = train(model, cfg, batches, val, setting)
+        results[name] = curve, nbytes, seconds
+    return results
+
+
+def mean_curve(curves: list) -> list:
+    return [(step, statistics.fmean(c[i][1] for c in curves))
+            for i, (step, _) in enumerate(curves[0])]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, a few steps (CI)")
@@ -250,7 +301,13 @@ def main():
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated, from: " + ", ".join(VARIANTS))
     parser.add_argument("--steps", type=int, help="training steps (default: by mode)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="one comparison per seed; goals on the mean excess")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", choices=PRECISIONS,
+                        help="default: bf16-autocast on CUDA, fp32 on CPU")
+    parser.add_argument("--native-cpu-bf16", action="store_true",
+                        help="on CPU, run torch's own bfloat16 matrix products (see above)")
     parser.add_argument("--plot", default="out/convergence.png")
     args = parser.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -260,49 +317,56 @@ def main():
         names.insert(0, "baseline")
     cfg = replace(QUICK if args.quick else DEFAULT, **(
         {"steps": args.steps} if args.steps else {}))
+    precision = args.precision or default_precision(args.device)
+    setting = Setting(args.device, precision, emulate_matmuls=emulate_bf16_matmuls(
+        args.device, precision, args.native_cpu_bf16))
 
     began = time.perf_counter()
     train_text, val_text, files = stdlib_text()
-    batches, val = train_batches(train_text, cfg, args.seed), val_batches(val_text, cfg)
-    torch.manual_seed(args.seed)
-    base = GPT(cfg)
-    params = sum(p.numel() for p in base.parameters())
+    params = sum(p.numel() for p in GPT(cfg).parameters())
+    where = (torch.cuda.get_device_name(0) if setting.device.startswith("cuda") else
+             f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")
     print(f"stdlib source: {files} files, {len(train_text) / 1e6:.2f} MB train, "
           f"{len(val_text) / 1e6:.2f} MB validation (every 10th file); byte vocabulary\n"
           f"GPT: d={cfg.d}, {cfg.layers} layers, {cfg.heads} heads, {params / 1e6:.2f}M "
           f"parameters; batch {cfg.batch} x {cfg.seq} bytes, {cfg.steps} steps, AdamW lr "
           f"{cfg.lr:g}, warmup + cosine; validation {cfg.val_batches} batches every "
-          f"{cfg.eval_every} steps; seed {args.seed}; float32, CPU ({os.cpu_count()} cores, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__})\n", flush=True)
+          f"{cfg.eval_every} steps; seeds {' '.join(map(str, args.seeds))}; "
+          f"{setting.precision}, {where}, torch {torch.__version__}"
+          + ("; bf16 matmuls with float32 accumulation via float32 kernels" if
+             setting.emulate_matmuls else "") + "\n", flush=True)
 
-    results, curves = {}, {}
-    for name in names:
-        print(f"{name}:", file=sys.stderr, flush=True)
-        torch.manual_seed(args.seed)  # the same random state for every variant's layers
-        model = make_variant(base, name, batches)
-        nbytes = saved_bytes(model, batches[0])
-        curves[name], seconds = train(model, cfg, batches, val)
-        results[name] = curves[name][-1][1], nbytes, seconds
+    per_seed = [run_seed(names, cfg, seed, setting, train_text, val_text)
+                for seed in args.seeds]
 
-    header = ["variant", "final val loss", "vs baseline", "saved MiB/step", "vs baseline",
-              "step ms", "time ratio", "goal"]
+    header = ["variant", "final val loss", "vs baseline", "per seed", "saved MiB/step",
+              "vs baseline", "step ms", "time ratio", "goal"]
     row = table(header, args.markdown, width=15, first=16)
-    base_loss, base_bytes, base_time = results["baseline"]
-    missed = []
-    for name, (loss, nbytes, seconds) in results.items():
-        excess = loss / base_loss - 1
+    missed, curves = [], {}
+    for name in names:
+        finals = [r[name][0][-1][1] for r in per_seed]
+        excess = [r[name][0][-1][1] / r["baseline"][0][-1][1] - 1 for r in per_seed]
+        nbytes = [r[name][1] / r["baseline"][1] for r in per_seed]
+        ratio = [r[name][2] / r["baseline"][2] for r in per_seed]
+        curves[name] = mean_curve([r[name][0] for r in per_seed])
+        mean_excess = statistics.fmean(excess)
         goal = "-"
         if name in GOALS:
-            met = excess <= GOALS[name]
+            met = mean_excess <= GOALS[name]
             goal = f"{'met' if met else 'MISSED'}, <= +{GOALS[name]:.0%}"
             missed += [] if met else [name]
-        row([name, f"{loss:.4f}", f"{excess:+.2%}", f"{nbytes / 2**20:.2f}",
-             f"{nbytes / base_bytes:.1%}", f"{seconds * 1e3:.1f}",
-             f"{seconds / base_time:.2f}", goal])
-    plot(curves, args.plot, f"char-level GPT on stdlib source, {cfg.steps} steps")
-    print(f"\nbaseline: validation loss {curves['baseline'][0][1]:.3f} -> {base_loss:.3f} "
-          f"(uniform guess {math.log(VOCAB):.3f}); goals missed: {', '.join(missed) or 'none'}"
-          f"; plot: {args.plot}; wall time {time.perf_counter() - began:.0f} s")
+        row([name, f"{statistics.fmean(finals):.4f}", f"{mean_excess:+.2%}",
+             "/".join(f"{100 * e:+.1f}" for e in excess),
+             f"{per_seed[0][name][1] / 2**20:.2f}", f"{statistics.fmean(nbytes):.1%}",
+             f"{statistics.median(r[name][2] for r in per_seed) * 1e3:.1f}",
+             f"{statistics.median(ratio):.2f}", goal])
+    plot(curves, args.plot, f"char-level GPT on stdlib source, {cfg.steps} steps, "
+                            f"{setting.precision}, mean of {len(args.seeds)} seed(s)")
+    start_loss, base_loss = curves["baseline"][0][1], curves["baseline"][-1][1]
+    print(f"\nbaseline (mean over seeds): validation loss {start_loss:.3f} -> {base_loss:.3f} "
+          f"(uniform guess {math.log(VOCAB):.3f}); per seed: excess in % for each seed; "
+          f"goals missed: {', '.join(missed) or 'none'}; plot: {args.plot}; "
+          f"wall time {time.perf_counter() - began:.0f} s")
     if args.quick:
         print("(--quick is a smoke test: too few steps for the goals to mean anything)")
 

@@ -1,7 +1,9 @@
-"""What the benchmark scripts share: median timing, saved-byte counting and table rows."""
+"""What the benchmark scripts share: median timing, saved-byte counting, table rows, and fast
+bfloat16 matrix products on CPUs without native bfloat16."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -51,3 +53,39 @@ def table(header: list[str], markdown: bool, width: int = 16, first: int = 0):
     if markdown:
         row(["---"] * len(header))
     return row
+
+
+def emulate_bf16_matmuls(device: str, precision: str, native: bool = False) -> bool:
+    """Whether to use float32_matmuls: a bfloat16 run on a CPU with AVX2 at most, where
+    torch's bfloat16 matrix products run 15-100x slower than float32 ones."""
+    import torch
+
+    return (device == "cpu" and precision != "fp32" and not native
+            and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"))
+
+
+def float32_matmuls(enabled: bool = True):
+    """A context in which every bfloat16 matrix product (mm, addmm, bmm, baddbmm) takes its
+    bfloat16 operands to float32, multiplies with float32 accumulation and rounds the result
+    to bfloat16 once: what a bfloat16 GEMM with float32 accumulation computes (GPUs, recent
+    CPUs), to summation order. Step times under it are not those of native kernels."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not enabled:
+        return contextlib.nullcontext()
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+    def bf16(a):
+        return getattr(a, "dtype", None) == torch.bfloat16
+
+    class Float32Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in matmuls and any(bf16(a) for a in args):
+                wide = [a.float() if bf16(a) else a for a in args]
+                return func(*wide, **kwargs).to(torch.bfloat16)
+            return func(*args, **kwargs)
+
+    return Float32Matmuls()
