@@ -5,10 +5,10 @@ backward (`compress`: x -> tensors to save) and how it restores an approximation
 (`restore`: saved tensors -> x^); the weight gradient is then computed from x^.
 
 Under autocast the layers follow nn.Linear's and nn.Conv2d's dtype rules: x, the weight and
-the bias are cast to the autocast dtype (by autograd-tracked casts, so the gradients come back
-in each tensor's own dtype), and the function itself runs with autocast off, forward and
-backward alike, as torch's `custom_fwd(cast_inputs=...)` convention does. So the compressed copy
-is taken from the very tensor the matmul consumed.
+the bias are cast to the autocast dtype (so each gradient comes back in its tensor's own
+dtype), and the function itself runs with autocast off, forward and backward alike, as torch's
+`custom_fwd(cast_inputs=...)` convention does. So the compressed copy is taken from the very
+tensor the matmul consumed.
 """
 
 from __future__ import annotations
@@ -23,27 +23,37 @@ from .targets import is_hf_conv1d
 
 
 def compressed_call(layer, x, weight, bias):
-    """layer's forward on x with a compressed saved input, under autocast's casts if it is on."""
+    """layer's forward on x with a compressed saved input, under autocast's casts if it is on.
+
+    x and the bias are cast by autograd-tracked casts. The weight is cast inside, in the
+    forward and again in the backward, so what is kept for the backward is the parameter
+    itself, never a 16-bit copy of it (eager autocast keeps one per layer until the backward:
+    2 bytes per parameter). The results are the same, bit for bit."""
     device = x.device.type
+    dtype = weight.dtype
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
-        x, weight, bias = (_autocast(t, dtype) for t in (x, weight, bias))
+        x, bias = _autocast(x, dtype), _autocast(bias, dtype)
+        dtype = dtype if weight.dtype in _AUTOCAST_FLOATS else weight.dtype
     with torch.autocast(device, enabled=False):
-        return _CompressedInput.apply(x, weight, bias, layer)
+        return _CompressedInput.apply(x, weight, bias, layer, dtype)
+
+
+_AUTOCAST_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _autocast(t, dtype):
     """What autocast does to an input of a lower-precision op: cast 16- and 32-bit floats."""
-    eligible = t is not None and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    return t.to(dtype) if eligible else t
+    return t.to(dtype) if t is not None and t.dtype in _AUTOCAST_FLOATS else t
 
 
 class _CompressedInput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
-        y = layer.dense_forward(x, weight, bias)
+    def forward(ctx, x, weight, bias, layer, dtype):
+        y = layer.dense_forward(x, weight.to(dtype), bias)
         ctx.save_for_backward(weight, *layer.compress(x.detach()))
         ctx.layer, ctx.shape, ctx.dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
+        ctx.weight_dtype = dtype
         return y
 
     @staticmethod
@@ -52,14 +62,15 @@ class _CompressedInput(torch.autograd.Function):
         layer = ctx.layer
         grad_x = grad_w = grad_b = None
         with torch.autocast(g.device.type, enabled=False):  # as in the forward
+            cast = weight.to(ctx.weight_dtype)
             if ctx.needs_input_grad[0]:
-                grad_x = layer.input_grad(ctx.shape, weight, g)
+                grad_x = layer.input_grad(ctx.shape, cast, g)
             if ctx.needs_input_grad[1]:
                 x = layer.restore(saved, ctx.shape, ctx.dtype)
-                grad_w = layer.weight_grad(x, weight, g)
+                grad_w = layer.weight_grad(x, cast, g).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(tuple(i for i in range(g.dim()) if i != layer.channel_dim(g)))
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class CompressedLinear(nn.Linear):
@@ -139,3 +150,16 @@ class CompressedConv2d(nn.Conv2d):
     @staticmethod
     def channel_dim(g):
         return 1
+
+
+class LeanLinear(CompressedLinear):
+    """nn.Linear, exact, keeping for the backward its input and the weight itself: under
+    autocast no 16-bit copy of the weight waits for the backward (2 bytes per parameter)."""
+
+    @staticmethod
+    def compress(x):
+        return (x,)
+
+    @staticmethod
+    def restore(saved, shape, dtype):
+        return saved[0]

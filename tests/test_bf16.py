@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actdesign.runtime import (
+    LeanLinear,
     MSLayerNorm,
     MSRMSNorm,
     PooledConv2d,
@@ -47,6 +48,7 @@ def step(module, x, g, mode, dtype):
 
 
 LINEARS = {
+    "LeanLinear exact": LeanLinear.from_module,
     "QLinear": lambda m: QLinear.from_module(m, bits=2),
     "SparseLinear": lambda m: SparseLinear.from_module(m, ratio=0.5),
     "SparseLinear exact": lambda m: SparseLinear.from_module(m, ratio=0.0),
@@ -92,6 +94,26 @@ def test_compressed_layers_follow_the_dense_layers_dtype_rules(name, mode, dtype
     if name.endswith("exact"):  # the restored copy is x itself: the weight gradient is exact
         for g0, g1 in zip(grads0, grads1, strict=True):
             assert torch.equal(g1, g0)
+
+
+def test_no_16_bit_weight_copy_waits_for_the_backward(saved):
+    """Eager autocast keeps the bfloat16 copy of every Linear weight until the backward; the
+    compressed layers keep the parameter and cast again there."""
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 32)
+    x = torch.randn(4, 64, requires_grad=True)
+    params = list(dense.parameters())
+
+    def under_autocast(module):
+        def run_it(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return module(x)
+        return run_it
+
+    eager = saved(under_autocast(dense), x, params)
+    lean = saved(under_autocast(LeanLinear.from_module(dense)), x, params)
+    assert sorted(eager.values()) == [4 * 64 * 2, 32 * 64 * 2]  # x and W in bfloat16
+    assert list(lean.values()) == [4 * 64 * 2]  # x only
 
 
 @pytest.mark.parametrize("mode, dtype", MODES)
