@@ -74,6 +74,11 @@ def render_actnn() -> str:
     return _parsed(_environment().get_template("actnn_ops.py.jinja").render(version=__version__))
 
 
+def render_glu() -> str:
+    """The MS-GLU module's source: the gated MLP's elementwise kernels and ops."""
+    return _parsed(_environment().get_template("glu_ops.py.jinja").render(version=__version__))
+
+
 def _parsed(source_text: str) -> str:
     try:
         ast.parse(source_text)

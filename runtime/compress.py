@@ -29,6 +29,9 @@ from . import models
 from . import policy as policy_mod
 from .accounting import SavedBytes, account
 from .cache import load
+from .compressed import LeanLinear
+from .glu import MSGLU
+from .lm_loss import FusedLossHead, attach_fused_loss
 from .norms import fold_norm_affine
 from .pooled import PooledConv2d
 from .quantized import QConv2d, QLinear
@@ -89,7 +92,8 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
     report = Report(policy.label)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     chosen, report.skipped = match(model, policy)
-    run = _probe(model, example_inputs)
+    inputs = _probe_inputs(model, example_inputs)
+    run = None if inputs is None else (lambda: models.call(model, inputs))
     if run is not None:
         with torch.enable_grad():
             report.before, _ = account(model, run)
@@ -99,9 +103,14 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
         if rule.apply == "msnorm":
             continue
         try:
+            if rule.apply == "fused_ce":  # the model itself: its forward computes the loss
+                head = attach_fused_loss(m, rule.option("chunk_size"), _with_labels(inputs))
+                report.replaced.append(Change(head, "Linear", "FusedLossHead (the loss is "
+                                              "computed chunk by chunk: no logits kept)"))
+                continue
             new[m], what = _replacement(name, m, rule)
         except ActdesignError as exc:
-            report.skipped.append((name, type(m).__name__, str(exc)))
+            report.skipped.append((name or "(model)", type(m).__name__, str(exc)))
             continue
         report.replaced.append(Change(name, type(m).__name__, what))
     _swap(model, new)
@@ -116,28 +125,38 @@ def match(model, policy) -> tuple[dict, list]:
     """({name: (module, first matching rule)} for modules a rule applies to (not `keep`),
     [(name, class, why) for modules that match but cannot be replaced])."""
     chosen, skipped = {}, []
+    claimed = []  # gated MLPs chosen: their layers are theirs; so is a fused loss's head
     for name, m in model.named_modules():
         target = target_of(m)
-        if target is None:
+        if target is None or any(m is c if isinstance(c, nn.Module) else name.startswith(c + ".")
+                                   for c in claimed) \
+                or (target == "head" and isinstance(m.get_output_embeddings(), FusedLossHead)):
             continue
         for rule in policy.rules:
             if rule.target == target and any(fnmatchcase(name, g) for g in rule.names) \
                     and (not rule.types or type(m).__name__ in rule.types):
-                if rule.apply != "keep" and not name:
+                if rule.apply != "keep" and not name and target != "head":
                     skipped.append(("(model)", type(m).__name__, "compress replaces "
                                     "submodules: wrap the module in a container"))
                 elif rule.apply != "keep":
                     chosen[name] = (m, rule)
+                    claimed += [name] if target == "glu" else []
+                    claimed += [m.get_output_embeddings()] if target == "head" else []
                 break
     return chosen, skipped
 
 
-def _probe(model, example_inputs):
+def _probe_inputs(model, example_inputs):
     if example_inputs is None and models.is_transformers(model):
         example_inputs = models.example_batch(model, batch=2, seq=8)
-    if example_inputs is None:
+    return example_inputs
+
+
+def _with_labels(inputs):
+    """The probe inputs of a causal LM with labels (its own, or the input ids), or None."""
+    if not isinstance(inputs, dict) or "input_ids" not in inputs:
         return None
-    return lambda: models.call(model, example_inputs)
+    return {"labels": inputs["input_ids"], **inputs}
 
 
 def _fold_norms(model, norms: dict, run, report) -> dict:
@@ -209,6 +228,11 @@ def _replacement(name, m, rule) -> tuple[nn.Module, str]:
     if rule.apply == "pooled":
         return PooledConv2d.from_module(m, p=opts["pool"]), \
             f"PooledConv2d (input pooled {opts['pool']}x{opts['pool']})"
+    if rule.apply == "lean":
+        return LeanLinear.from_module(m), "LeanLinear (no 16-bit weight copy kept)"
+    if rule.apply == "msglu":
+        new = MSGLU.from_module(m)
+        return new, f"MSGLU ({new.act}; keeps gate(x) and up(x) only)"
     raise AssertionError(rule.apply)
 
 

@@ -29,7 +29,7 @@ from actdesign.errors import ActdesignError
 from actdesign.files import read_json, write_atomic
 
 FORMAT = "actdesign.policy/1"
-TARGETS = ("activation", "norm", "linear", "conv2d")
+TARGETS = ("activation", "norm", "linear", "conv2d", "glu", "head")
 # apply -> (targets it applies to, {option: default})
 METHODS = {
     "keep": (TARGETS, {}),
@@ -39,6 +39,9 @@ METHODS = {
     "actnn": (("linear", "conv2d"), {"bits": 2, "group_size": 256, "allocation": None}),
     "backrazor": (("linear", "conv2d"), {"ratio": 0.9, "int8": False}),
     "pooled": (("conv2d",), {"pool": 2}),
+    "lean": (("linear",), {}),
+    "msglu": (("glu",), {}),
+    "fused_ce": (("head",), {"chunk_size": None}),
 }
 PRESETS = {
     "none": [],
@@ -50,7 +53,12 @@ PRESETS = {
     "backrazor90": [{"target": "linear", "apply": "backrazor", "ratio": 0.9},
                     {"target": "conv2d", "apply": "backrazor", "ratio": 0.9}],
     "pooled2": [{"target": "conv2d", "apply": "pooled", "pool": 2}],
+    "llm": [{"target": "norm", "apply": "msnorm"}, {"target": "glu", "apply": "msglu"},
+            {"target": "head", "apply": "fused_ce"}, {"target": "linear", "apply": "lean"}],
 }
+# In presets joined by '+', these rules come last: the default for modules no other preset
+# claims (so llm+actnn2 quantizes the Linear layers llm would only keep lean).
+_FALLBACKS = ("lean",)
 _BASE_KEYS = {"target", "apply", "name", "type"}
 _TABLE_NAME = re.compile(r"(re)?([a-z][a-z0-9_]*?)([1-8])")
 
@@ -98,6 +106,7 @@ def load(source) -> Policy:
         text = str(source)
         if not text.endswith(".json") and all(p in PRESETS for p in text.split("+")):
             rules = [r for p in text.split("+") for r in PRESETS[p]]
+            rules.sort(key=lambda r: r["apply"] in _FALLBACKS)  # stable: order kept otherwise
             return validate({"format": FORMAT, "rules": rules}, text, label=text)
         if not text.endswith(".json"):
             raise ActdesignError(f"unknown policy {text!r}: use a preset ("
@@ -177,6 +186,8 @@ def _option(method, key, value, where, base):
         return value
     if key == "pool":
         return integer(1, 64)
+    if key == "chunk_size":
+        return None if value is None else integer(1, 1 << 30)
     if key == "int8":
         if not isinstance(value, bool):
             raise ActdesignError(f"{where} must be true or false, got {value!r}")

@@ -75,8 +75,27 @@ def is_norm(m: nn.Module) -> bool:
         and not name.startswith("Gemma")
 
 
+def is_gated_mlp(m: nn.Module) -> bool:
+    """Shaped like a gated MLP: Linear gate_proj, up_proj, down_proj and an act_fn module
+    (whether it computes down(act(gate(x)) * up(x)) is checked when it is replaced)."""
+    return all(type(getattr(m, n, None)) is nn.Linear for n in ("gate_proj", "up_proj",
+                                                                   "down_proj")) \
+        and isinstance(getattr(m, "act_fn", None), nn.Module)
+
+
+def is_causal_lm(m: nn.Module) -> bool:
+    """A transformers causal LM: its loss is computed from its output embedding's logits."""
+    return _from_transformers(m) and type(m).__name__.endswith(("ForCausalLM", "LMHeadModel")) \
+        and hasattr(m, "get_output_embeddings") and hasattr(m, "base_model_prefix")
+
+
 def target_of(m: nn.Module) -> str | None:
-    """'activation', 'norm', 'linear', 'conv2d', or None for a module no policy touches."""
+    """'activation', 'norm', 'linear', 'conv2d', 'glu', 'head' (a causal LM, whose loss and
+    head are one), or None for a module no policy touches."""
+    if is_causal_lm(m):
+        return "head"
+    if is_gated_mlp(m):
+        return "glu"
     if type(m) is nn.Linear or is_hf_conv1d(m):
         return "linear"
     if type(m) is nn.Conv2d:

@@ -1,0 +1,120 @@
+"""MS-GLU: a gated MLP, down(act(gate(x)) * up(x)), that keeps only g = gate(x) and u = up(x)
+for its backward.
+
+Eager PyTorch keeps g (for act), act(g) and u (for the product) and h = act(g)·u (for the
+down projection's weight gradient): 4 values per intermediate element. MS-GLU recomputes
+act(g) and h inside the backward, elementwise, so the down projection borrows its input from
+the GLU's own saved tensors: 2 values, 4 bytes in bf16. The projections' inputs and outputs
+are the eager ones, with eager's roundings: the results equal the eager module's.
+
+The three Linear layers keep their names and parameters as LeanLinear layers: no 16-bit
+weight copy under autocast; the down projection's weight is cast again in the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actdesign.codegen.render import render_glu
+from actdesign.errors import ActdesignError
+
+from .cache import generated
+from .compressed import _AUTOCAST_FLOATS, LeanLinear, _autocast
+from .targets import activation_name
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def glu_ops():
+    """The generated MS-GLU module (Triton kernels, torch path, custom ops), imported once."""
+    return generated(render_glu)
+
+
+class MSGLU(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)), keeping only gate(x) and up(x)."""
+
+    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
+                 act: str):
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ActdesignError(f"MS-GLU supports {' and '.join(ACTIVATIONS)}, not {act}")
+        self.gate_proj = LeanLinear.from_module(gate_proj)
+        self.up_proj = LeanLinear.from_module(up_proj)
+        self.down_proj = LeanLinear.from_module(down_proj)  # its weight is read below
+        self.act = act
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module) -> MSGLU:
+        """The MS-GLU computing what `mlp` computes, sharing its parameters. `mlp` must have
+        Linear layers gate_proj, up_proj and down_proj and an act_fn that is SiLU or
+        tanh-GELU, and compute down_proj(act_fn(gate_proj(x)) * up_proj(x)), which a probe
+        on random inputs checks."""
+        layers = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(type(m) is nn.Linear for m in layers):
+            raise ActdesignError("a gated MLP needs nn.Linear gate_proj, up_proj and down_proj")
+        gate, up, down = layers
+        if not (gate.in_features == up.in_features == down.out_features
+                and gate.out_features == up.out_features == down.in_features):
+            raise ActdesignError("gate_proj, up_proj and down_proj have shapes that do not "
+                                 "form down(act(gate(x)) * up(x))")
+        act_fn = getattr(mlp, "act_fn", None)
+        act = activation_name(act_fn) if isinstance(act_fn, nn.Module) else None
+        if act not in ACTIVATIONS:
+            raise ActdesignError(f"its act_fn is {type(act_fn).__name__}, not SiLU or "
+                                 "tanh-GELU")
+        new = cls(gate, up, down, act)
+        _check_probe(mlp, new, gate)
+        return new
+
+    def forward(self, x):
+        g, u = self.gate_proj(x), self.up_proj(x)
+        weight, bias = self.down_proj.weight, self.down_proj.bias
+        device = g.device.type
+        dtype = weight.dtype
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            bias = _autocast(bias, dtype)
+            dtype = dtype if weight.dtype in _AUTOCAST_FLOATS else weight.dtype
+        with torch.autocast(device, enabled=False):
+            return _GLUDown.apply(g, u, weight, bias, self.act, dtype)
+
+    def extra_repr(self):
+        return f"act={self.act}"
+
+
+def _check_probe(mlp, new, gate):
+    """The module's own forward against down(act(gate(x)) * up(x)) on random rows."""
+    x = torch.randn(4, gate.in_features, dtype=gate.weight.dtype, device=gate.weight.device)
+    with torch.no_grad():
+        expected, got = mlp(x), new(x)
+    scale = expected.abs().max().item() + 1e-30
+    if not torch.allclose(got, expected, rtol=0,
+                          atol=16 * torch.finfo(expected.dtype).eps * scale):
+        raise ActdesignError("its forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))")
+
+
+class _GLUDown(torch.autograd.Function):
+    """down(act(g) * u) keeping g, u and the down weight itself; h is recomputed."""
+
+    @staticmethod
+    def forward(ctx, g, u, weight, bias, act, dtype):
+        h = glu_ops().forward(g, u, act)
+        y = F.linear(h.reshape(-1, h.shape[-1]), weight.to(dtype), bias)
+        ctx.save_for_backward(g, u, weight)
+        ctx.act, ctx.dtype, ctx.has_bias = act, dtype, bias is not None
+        return torch.ops.aten._unsafe_view(y, (*h.shape[:-1], y.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, u, weight = ctx.saved_tensors
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        with torch.autocast(grad.device.type, enabled=False):
+            w = weight.to(ctx.dtype)
+            dh = (grad2 @ w).view(g.shape)
+            dg, du, h = glu_ops().backward(g, u, dh, ctx.act)
+            grad_w = (grad2.T @ h.reshape(-1, h.shape[-1])).to(weight.dtype) \
+                if ctx.needs_input_grad[2] else None
+        grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dg, du, grad_w, grad_b, None, None

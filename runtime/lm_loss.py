@@ -1,0 +1,226 @@
+"""A causal-LM loss that never materialises the logits: the output projection and the
+cross-entropy, chunk by chunk over the tokens.
+
+    loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels)
+
+The forward computes each chunk's logits, keeps one float32 log-sum-exp per token and drops
+the chunk. The backward computes each chunk's logits again and turns them at once into that
+chunk's share of the gradients: softmax(z) - onehot(y), times the upstream scale. So nothing of
+size (tokens x vocabulary) outlives one chunk, forward or backward, and what is kept for the
+backward is the hidden states (often the very tensor a norm already keeps), the labels and
+4 bytes per token. The price is a second logits product in the backward.
+
+The semantics are transformers' causal-LM loss: labels shifted by one (or `shift_labels`
+given), `ignore_index` skipped, the mean over counted tokens or the sum over
+`num_items_in_batch`. Under autocast the product runs in the autocast dtype and the
+cross-entropy in float32, as eager transformers does; the weight is cast per call, not kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actdesign.errors import ActdesignError
+
+from .compressed import _autocast
+from .targets import is_causal_lm
+
+
+def fused_linear_cross_entropy(hidden, weight, labels=None, *, shift_labels=None,
+                               ignore_index: int = -100, num_items_in_batch=None,
+                               chunk_size: int | None = None):
+    """The causal-LM loss of logits = hidden @ weight.T, without the logits.
+
+    hidden: (..., T, d); weight: (V, d); labels: (..., T), shifted here so that token t
+    predicts label t + 1, or `shift_labels` (..., T) already aligned with hidden. Returns the
+    mean over tokens whose label is not `ignore_index`, or their sum divided by
+    `num_items_in_batch` when given. `chunk_size` tokens per chunk (default: about as many
+    logits per chunk as the hidden states have values, at least 256 tokens)."""
+    if (labels is None) == (shift_labels is None):
+        raise ActdesignError("give labels or shift_labels, not both or neither")
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if hidden.shape[:-1] != shift_labels.shape:
+        raise ActdesignError(f"hidden states {tuple(hidden.shape)} and labels "
+                             f"{tuple(shift_labels.shape)} do not match")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ActdesignError(f"a head weight of shape {tuple(weight.shape)} cannot read hidden "
+                             f"states of width {hidden.shape[-1]}")
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    device = hidden.device.type
+    dtype = hidden.dtype
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        hidden = _autocast(hidden, dtype)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    tokens, vocab = flat.shape[0], weight.shape[0]
+    if chunk_size is None:
+        chunk_size = max(256, -(-tokens * flat.shape[1] // vocab))
+    with torch.autocast(device, enabled=False):
+        total = _FusedLinearCrossEntropy.apply(flat, weight, targets, ignore_index,
+                                               int(chunk_size), dtype)
+    if num_items_in_batch is None:
+        return total / (targets != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _chunks(tokens: int, size: int):
+    for start in range(0, tokens, size):
+        yield start, min(start + size, tokens)
+
+
+def _wide(dtype):
+    """The cross-entropy's dtype: float32, or float64 for float64 models."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Σ over counted tokens of logsumexp(z) - z[target], z = hidden @ weight.T per chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, dtype):
+        w, wide = weight.to(dtype), _wide(dtype)
+        counted = targets != ignore_index
+        picked = targets.clamp(0, w.shape[0] - 1)[:, None]
+        lse = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
+        total = torch.zeros((), dtype=wide, device=hidden.device)
+        for a, b in _chunks(hidden.shape[0], chunk_size):
+            z = (hidden[a:b] @ w.T).to(wide)
+            lse[a:b] = torch.logsumexp(z, -1)
+            nll = lse[a:b] - z.gather(1, picked[a:b])[:, 0]
+            total += torch.where(counted[a:b], nll, 0.0).sum()
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.ignore_index, ctx.chunk_size, ctx.dtype = ignore_index, chunk_size, dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        w, wide = weight.to(ctx.dtype), _wide(ctx.dtype)
+        scale = (targets != ctx.ignore_index)[:, None] * grad_total.to(wide)
+        picked = targets.clamp(0, w.shape[0] - 1)[:, None]
+        minus_one = torch.full((hidden.shape[0], 1), -1.0, dtype=wide, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(w.shape, dtype=wide, device=w.device) \
+            if ctx.needs_input_grad[1] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for a, b in _chunks(hidden.shape[0], ctx.chunk_size):
+                # dz = (softmax(z) - onehot(target)) · scale, in place in z's storage
+                dz = (hidden[a:b] @ w.T).to(wide).sub_(lse[a:b, None]).exp_()
+                dz.scatter_add_(1, picked[a:b], minus_one[a:b]).mul_(scale[a:b])
+                dz = dz.to(ctx.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[a:b] = dz @ w
+                if grad_weight is not None:
+                    grad_weight += dz.T @ hidden[a:b]
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+# --- transformers causal LMs --------------------------------------------------------------
+
+class FusedLossHead(nn.Module):
+    """A causal LM's output projection, holding the same weight. Called normally it returns
+    the logits, as the Linear it replaces did; while the model's fused-loss forward runs it
+    returns the hidden states, from which the loss is computed without logits."""
+
+    def __init__(self, head: nn.Linear, chunk_size: int | None = None):
+        super().__init__()
+        self.weight = head.weight
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.chunk_size = chunk_size
+        self.deferred = False
+
+    def forward(self, hidden):
+        return hidden if self.deferred else F.linear(hidden, self.weight)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, fused loss"
+
+
+def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None) -> str:
+    """Make a transformers causal LM compute its training loss (the forward given `labels`)
+    with fused_linear_cross_entropy; without labels it behaves exactly as before. Returns the
+    head's name. Refused, with nothing changed, when the loss cannot be reproduced: a head
+    with a bias, logit scaling or soft-capping in the config, or (with `probe`, a dict of
+    inputs with labels) a probe loss that differs from the model's own."""
+    if not is_causal_lm(model):
+        raise ActdesignError("the fused loss needs a transformers causal LM (*ForCausalLM, "
+                             "*LMHeadModel)")
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise ActdesignError(f"its output embedding is a {type(head).__name__}, not an "
+                             "nn.Linear")
+    if head.bias is not None:
+        raise ActdesignError("its head has a bias, which the fused loss does not add")
+    config = getattr(model, "config", None)
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            raise ActdesignError(f"its config sets {key}, a transform of the logits after "
+                                 "the head that the fused loss does not reproduce")
+    name = next(n for n, m in model.named_modules() if m is head)
+    parent, _, attr = name.rpartition(".")
+    fused = FusedLossHead(head, chunk_size)
+    original = model.forward
+    with torch.no_grad():
+        expected = original(**probe).loss if probe is not None else None
+    setattr(model.get_submodule(parent), attr, fused)
+    model.forward = types.MethodType(_fused_forward(original, fused), model)
+    if expected is not None:
+        with torch.no_grad():
+            got = model(**probe).loss
+        tolerance = 64 * torch.finfo(expected.dtype).eps * max(1.0, abs(expected.item()))
+        if not abs(got.item() - expected.item()) <= tolerance:  # NaN fails too
+            setattr(model.get_submodule(parent), attr, head)
+            del model.forward  # the class's own forward again
+            raise ActdesignError(f"on a probe batch the fused loss ({got.item():.6g}) differs "
+                                 f"from the model's own ({expected.item():.6g}): its forward "
+                                 "transforms the logits after the head")
+    return name
+
+
+def _fused_forward(original, head: FusedLossHead):
+    signature = inspect.signature(original)
+
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        labels = bound.arguments.get("labels")
+        extra = bound.arguments.get(_var_keyword(signature), {})
+        shift_labels = extra.get("shift_labels")
+        if labels is None and shift_labels is None:
+            return original(*args, **kwargs)
+        if "labels" in bound.arguments:
+            bound.arguments["labels"] = None
+        keep = bound.arguments.get("logits_to_keep", 0)
+        if not (isinstance(keep, int) and keep == 0):
+            raise ActdesignError("the fused loss covers every position: logits_to_keep must "
+                                 "be 0 when labels are given")
+        head.deferred = True
+        try:
+            out = original(*bound.args, **bound.kwargs)
+        finally:
+            head.deferred = False
+        hidden = out[0] if isinstance(out, tuple) else out.logits
+        loss = fused_linear_cross_entropy(
+            hidden, head.weight, labels if shift_labels is None else None,
+            shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
+            ignore_index=extra.get("ignore_index", -100), chunk_size=head.chunk_size)
+        if isinstance(out, tuple):  # logits are not materialised: (loss, *the rest)
+            return (loss, *out[1:])
+        out.loss, out.logits = loss, None
+        return out
+
+    return forward
+
+
+def _var_keyword(signature) -> str | None:
+    return next((p.name for p in signature.parameters.values()
+                 if p.kind is inspect.Parameter.VAR_KEYWORD), None)
