@@ -150,8 +150,10 @@ def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=Non
     """Make a transformers causal LM compute its training loss (the forward given `labels`)
     with fused_linear_cross_entropy; without labels it behaves exactly as before. Returns the
     head's name. Refused, with nothing changed, when the loss cannot be reproduced: a head
-    with a bias, logit scaling or soft-capping in the config, or (with `probe`, a dict of
-    inputs with labels) a probe loss that differs from the model's own."""
+    with a bias, logit soft-capping in the config, or (with `probe`, a dict of
+    inputs with labels) a probe loss that differs from the model's own. The forward's own
+    code runs unchanged, with the head returning the hidden states, so a scale the forward
+    applies to the logits is applied to the hidden states instead: the same loss."""
     if not is_causal_lm(model):
         raise ActdesignError("the fused loss needs a transformers causal LM (*ForCausalLM, "
                              "*LMHeadModel)")
@@ -161,30 +163,42 @@ def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=Non
                              "nn.Linear")
     if head.bias is not None:
         raise ActdesignError("its head has a bias, which the fused loss does not add")
-    config = getattr(model, "config", None)
-    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, key, None) not in (None, 1, 1.0):
-            raise ActdesignError(f"its config sets {key}, a transform of the logits after "
-                                 "the head that the fused loss does not reproduce")
+    # What the forward does to the logits after the head, it does here to the hidden states:
+    # right for a scale (Cohere, Granite), wrong for soft-capping. The probe catches the rest.
+    if getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
+        raise ActdesignError("its config sets final_logit_softcapping, a transform of the "
+                             "logits the fused loss does not reproduce")
     name = next(n for n, m in model.named_modules() if m is head)
     parent, _, attr = name.rpartition(".")
     fused = FusedLossHead(head, chunk_size)
     original = model.forward
-    with torch.no_grad():
-        expected = original(**probe).loss if probe is not None else None
+    own = model.__dict__.get("forward")  # a forward set on the instance, kept on refusal
     setattr(model.get_submodule(parent), attr, fused)
     model.forward = types.MethodType(_fused_forward(original, fused), model)
-    if expected is not None:
-        with torch.no_grad():
-            got = model(**probe).loss
+    if probe is not None:
+        expected, got = _probe_losses(model, original, probe)
         tolerance = 64 * torch.finfo(expected.dtype).eps * max(1.0, abs(expected.item()))
         if not abs(got.item() - expected.item()) <= tolerance:  # NaN fails too
             setattr(model.get_submodule(parent), attr, head)
-            del model.forward  # the class's own forward again
+            if own is None:
+                del model.forward  # the class's own forward again
+            else:
+                model.forward = own
             raise ActdesignError(f"on a probe batch the fused loss ({got.item():.6g}) differs "
                                  f"from the model's own ({expected.item():.6g}): its forward "
                                  "transforms the logits after the head")
     return name
+
+
+def _probe_losses(model, original, probe):
+    """(the model's own loss, the fused one) on the probe, in eval mode (no dropout)."""
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return original(**probe).loss, model(**probe).loss
+    finally:
+        model.train(training)
 
 
 def _fused_forward(original, head: FusedLossHead):
@@ -192,13 +206,13 @@ def _fused_forward(original, head: FusedLossHead):
 
     def forward(self, *args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        labels = bound.arguments.get("labels")
         extra = bound.arguments.get(_var_keyword(signature), {})
-        shift_labels = extra.get("shift_labels")
+        where = bound.arguments if "labels" in bound.arguments else extra
+        labels, shift_labels = where.get("labels"), extra.get("shift_labels")
         if labels is None and shift_labels is None:
             return original(*args, **kwargs)
-        if "labels" in bound.arguments:
-            bound.arguments["labels"] = None
+        if "labels" in where:
+            where["labels"] = None
         keep = bound.arguments.get("logits_to_keep", 0)
         if not (isinstance(keep, int) and keep == 0):
             raise ActdesignError("the fused loss covers every position: logits_to_keep must "

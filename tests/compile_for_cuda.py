@@ -2,7 +2,7 @@
 
 Run as a script (the test suite runs it in a fresh process, with the interpreter off):
     python tests/compile_for_cuda.py [--norms] SPEC.json [SPEC.json ...]
---norms also compiles the MS-norm and the ActNN quantization kernels.
+--norms also compiles the MS-norm, the ActNN quantization and the MS-GLU kernels.
 Prints one line per compiled kernel; exits non-zero on the first failure.
 """
 
@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from actdesign import runtime
+from actdesign.runtime.glu import glu_ops
 
 TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
 # n and nbytes arrive as i32 below 2^31 elements and as i64 above; both must index in int64.
@@ -55,11 +56,25 @@ def actnn_kernels(ops, dtype):
             "G": "constexpr"}, constexprs={"G": 256})
 
 
+def glu_kernels(ops, dtype):
+    for kind, act in enumerate(ops.KINDS):
+        yield f"glu {act} forward", ASTSource(ops._forward_kernel, {
+            "g_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "h_ptr": f"*{dtype}", "n": "i32",
+            "KIND": "constexpr", "BLOCK": "constexpr"},
+            constexprs={"KIND": kind, "BLOCK": ops.BLOCK})
+        yield f"glu {act} backward", ASTSource(ops._backward_kernel, {
+            "g_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "dh_ptr": f"*{dtype}",
+            "dg_ptr": f"*{dtype}", "du_ptr": f"*{dtype}", "h_ptr": f"*{dtype}", "n": "i32",
+            "KIND": "constexpr", "BLOCK": "constexpr"},
+            constexprs={"KIND": kind, "BLOCK": ops.BLOCK})
+
+
 def compile_norms():
-    norms, actnn = runtime.norm_ops(), runtime.actnn_ops()
+    norms, actnn, glu = runtime.norm_ops(), runtime.actnn_ops(), glu_ops()
     for target in TARGETS:
         for dtype, _ in VARIANTS[:3]:
-            kernels = [*norm_kernels(norms, dtype), *actnn_kernels(actnn, dtype)]
+            kernels = [*norm_kernels(norms, dtype), *actnn_kernels(actnn, dtype),
+                       *glu_kernels(glu, dtype)]
             for name, source in kernels:
                 compiled = triton.compile(source, target=target)
                 assert compiled.asm["cubin"], "no binary"

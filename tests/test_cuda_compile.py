@@ -1,4 +1,4 @@
-"""Tier 3: every generated kernel (few-bit ops, MS norms, ActNN quantization) compiles for
+"""Tier 3: every generated kernel (few-bit ops, MS norms, ActNN quantization, MS-GLU) compiles for
 sm_80 and sm_90 without a GPU.
 
 The interpreter runs Python, so it lets through what the compiler refuses (types, layouts,
@@ -38,5 +38,6 @@ def test_every_kernel_compiles_for_cuda_targets(make_spec, tmp_path):
     lines = "".join(out for out, _ in results).splitlines()
     norms = 2 * 3 * 4  # targets, dtypes, kernels (layer and rms, forward and backward)
     actnn = 2 * (3 + 1)  # targets, quantize for 3 dtypes and dequantize
-    assert len(lines) == len(specs) * 2 * 4 * 2 + norms + actnn
+    glu = 2 * 3 * 4  # targets, dtypes, kernels (silu and gelu_tanh, forward and backward)
+    assert len(lines) == len(specs) * 2 * 4 * 2 + norms + actnn + glu
     assert all(line.endswith(": ok") for line in lines)
