@@ -198,7 +198,7 @@ def allocate(stats_file, avg_bits, out):
         click.echo(f"wrote {out}")
 
 
-_MODEL_HELP = ("A built-in transformers config (gpt2, llama, bert, vit, or their -tiny "
+_MODEL_HELP = ("A built-in transformers config (gpt2, llama, qwen2, bert, vit, or their -tiny "
                "variants; random weights, nothing downloaded) or package.module:function / "
                "file.py:function returning a model, or (model, make_batch(batch, seq)).")
 

@@ -92,6 +92,52 @@ def check_actnn(device):
     return same
 
 
+def check_llm_ops(device):
+    """MS-GLU's kernels against the torch path (the bound of tests/test_llm.py) and the fused
+    loss against eager transformers' loss, on the device."""
+    from actdesign.runtime.glu import glu_ops
+    from actdesign.runtime.lm_loss import fused_linear_cross_entropy
+
+    ok = True
+    ops = glu_ops()
+    for kind in ops.KINDS:
+        for dtype in (torch.float32, torch.bfloat16):
+            g = (torch.randn(2**20, dtype=torch.float64) * 3).to(dtype)
+            u, dh = torch.randn_like(g), torch.randn_like(g)
+            ref = (ops._forward_torch(g, u, kind), *ops._backward_torch(g, u, dh, kind))
+            got = (ops.forward(g.to(device), u.to(device), kind),
+                   *ops.backward(g.to(device), u.to(device), dh.to(device), kind))
+            eps, eps32 = torch.finfo(dtype).eps, torch.finfo(torch.float32).eps
+            worst = max(((a.cpu().double() - b.double()).abs()
+                         / (2 * eps * b.double().abs() + 16 * eps32 * b.double().abs().max()))
+                        .max().item() for a, b in zip(got, ref, strict=True))
+            print(f"MS-GLU {kind} {dtype}: worst error / bound {worst:.2f}: {worst <= 1}")
+            ok &= worst <= 1
+    tokens, d, vocab = (4096, 768, 32000) if device == "cuda" else (256, 64, 4000)
+    hidden = torch.randn(tokens, d, device=device)
+    weight = torch.randn(vocab, d, device=device) * 0.05
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+    for autocast in (False, True):
+        results = []
+        for fused in (False, True):
+            h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                if fused:
+                    loss = fused_linear_cross_entropy(h, w, labels)
+                else:
+                    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[1:]
+                    loss = torch.nn.functional.cross_entropy((h @ w.T).float(), shifted)
+            loss.backward()
+            results.append((loss.detach(), h.grad, w.grad))
+        rel = [((b.double() - a.double()).norm() / a.double().norm()).item()
+               for a, b in zip(*results, strict=True)]
+        limit = 4e-3 if autocast else 1e-5  # bf16: per-chunk rounding of the weight gradient
+        print(f"fused loss, autocast={autocast}: relative difference to eager (loss, dhidden, "
+              f"dweight) {', '.join(f'{r:.1e}' for r in rel)}: {max(rel) <= limit}")
+        ok &= max(rel) <= limit
+    return ok
+
+
 def block_memory(device, ops):
     d, batch, seq = (1024, 8, 1024) if device == "cuda" else (256, 4, 128)
     x = torch.randn(batch, seq, d, device=device)
@@ -133,7 +179,7 @@ def models(device):
     quick = device == "cpu"
     for precision in ("bf16-autocast", "fp32"):
         for name in ("gpt2-tiny", "llama-tiny") if quick else ("gpt2", "llama"):
-            for policy in ("fewbit3+msnorm", "fewbit3+msnorm+actnn2"):
+            for policy in ("fewbit3+msnorm", "fewbit3+msnorm+actnn2", "llm", "llm+actnn2"):
                 r = profile(name, policy, 8, 64 if quick else 512, device,
                             repeats=1 if quick else 5, precision=precision)
                 d = r.to_dict()
@@ -150,7 +196,8 @@ def main():
     device = parser.parse_args().device
     print(f"device: {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}")
     ops = runtime.load(spec.from_fit(fit_stepwise("gelu", 3)))
-    ok = check_fewbit(ops, device) & check_norms(device) & check_actnn(device)
+    ok = check_fewbit(ops, device) & check_norms(device) & check_actnn(device) \
+        & check_llm_ops(device)
     block_memory(device, ops)
     models(device)
     print("all exact checks passed" if ok else "SOME CHECKS FAILED")

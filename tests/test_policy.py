@@ -22,6 +22,15 @@ def test_presets_combine_in_order():
     assert policy.label == "fewbit3+msnorm+actnn2"
 
 
+def test_lean_rules_come_last_in_joined_presets():
+    """llm's default for Linear layers yields to any other preset's Linear rule."""
+    policy = P.load("llm+actnn2")
+    assert [(r.target, r.apply) for r in policy.rules] == [
+        ("norm", "msnorm"), ("glu", "msglu"), ("head", "fused_ce"), ("linear", "actnn"),
+        ("conv2d", "actnn"), ("linear", "lean")]
+    assert P.load("llm").rules[-1].apply == "lean"
+
+
 def test_file_round_trip_resolves_spec_paths(tmp_path, make_spec):
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "g.json").write_text(json.dumps(make_spec("gelu", 3)))
@@ -76,6 +85,9 @@ def test_inline_spec_and_table_names(make_spec):
     ({"rules": [{"target": "linear", "apply": "backrazor", "ratio": 1.0}]}, "in [0, 1)"),
     ({"rules": [{"target": "linear", "apply": "backrazor", "int8": 1}]}, "true or false"),
     ({"rules": [{"target": "linear", "apply": "keep", "name": 3}]}, "non-empty string"),
+    ({"rules": [{"target": "head", "apply": "fused_ce", "chunk_size": 0}]}, "integer in 1.."),
+    ({"rules": [{"target": "head", "apply": "lean"}]}, "does not apply to 'head'"),
+    ({"rules": [{"target": "glu", "apply": "msglu", "act": "relu"}]}, "unknown key 'act'"),
     ({"rules": [{"target": "activation", "apply": "fewbit", "spec": "gelu"}]},
      "neither a built-in table name"),
     ({"rules": [{"target": "activation", "apply": "fewbit", "spec": "missing.json"}]},
