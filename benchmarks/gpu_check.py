@@ -119,22 +119,32 @@ def check_llm_ops(device):
     labels = torch.randint(0, vocab, (tokens,), device=device)
     for autocast in (False, True):
         results = []
-        for fused in (False, True):
+        for how in ("float64", "eager", "fused"):
             h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-                if fused:
+            if how == "float64":  # of what the product consumes
+                cast = torch.bfloat16 if autocast else torch.float32
+                h = h.detach().to(cast).double().requires_grad_(True)
+                w = w.detach().to(cast).double().requires_grad_(True)
+            enabled = autocast and how != "float64"
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=enabled):
+                if how == "fused":
                     loss = fused_linear_cross_entropy(h, w, labels)
                 else:
                     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[1:]
-                    loss = torch.nn.functional.cross_entropy((h @ w.T).float(), shifted)
+                    logits = h @ w.T
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.double() if how == "float64" else logits.float(), shifted)
             loss.backward()
-            results.append((loss.detach(), h.grad, w.grad))
-        rel = [((b.double() - a.double()).norm() / a.double().norm()).item()
-               for a, b in zip(*results, strict=True)]
-        limit = 4e-3 if autocast else 1e-5  # bf16: per-chunk rounding of the weight gradient
-        print(f"fused loss, autocast={autocast}: relative difference to eager (loss, dhidden, "
-              f"dweight) {', '.join(f'{r:.1e}' for r in rel)}: {max(rel) <= limit}")
-        ok &= max(rel) <= limit
+            results.append([t.double() for t in (loss.detach(), h.grad, w.grad)])
+        exact, eager, fused = results
+        ratios = [((f - x).norm() / ((e - x).norm() + 1e-6 * x.norm())).item()
+                  for x, e, f in zip(exact, eager, fused, strict=True)]
+        # as accurate as eager: at most twice its distance to float64 (tests/test_llm.py),
+        # float32 round-off of the scale as a floor
+        good = all(r <= 2 for r in ratios)
+        print(f"fused loss, autocast={autocast}: error against float64 / eager's (loss, dhidden, "
+              f"dweight) {', '.join(f'{r:.2f}' for r in ratios)}: {good}")
+        ok &= good
     return ok
 
 

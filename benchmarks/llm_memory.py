@@ -10,9 +10,10 @@ with labels), every row a fresh model from the same seed: forward under the prec
 context, the model's own loss (so the fused loss counts), backward, AdamW step (fused on
 CUDA). Columns:
 - peak: on CUDA the allocator's peak over the timed steps; on CPU the bytes autograd keeps
-  for the backward (distinct storages, parameters aside) plus the largest single tensor the
-  step creates (the logits' float32 log-probabilities in eager transformers, one chunk with
-  the fused loss), since torch keeps no CPU allocator peak;
+  for the backward (distinct storages, parameters aside) plus the largest activation-shaped
+  tensor the step creates (the logits' float32 log-probabilities in eager transformers, one
+  chunk with the fused loss; parameter-shaped casts and gradients left out), since torch
+  keeps no CPU allocator peak;
 - step time: median of `--repeats` steps after one warm-up;
 - the loss of the last step.
 Ratios are against the baseline measured in the same run. In bfloat16 on a CPU without
@@ -43,17 +44,20 @@ ROWS = ["baseline", "checkpointing", "fewbit3+msnorm", "fewbit3+msnorm+checkpoin
 LIGER = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2"}
 
 
-class LargestTensor(TorchDispatchMode):
-    """The largest tensor any op creates while it is on (the CPU stand-in for a transient)."""
+class LargestTemporary(TorchDispatchMode):
+    """The largest activation-shaped tensor any op creates while it is on: the CPU stand-in
+    for the step's transient peak. Tensors shaped like a parameter (weight casts, gradients)
+    are left out: every setup has them, and they are no activation."""
 
-    def __init__(self):
+    def __init__(self, model):
         super().__init__()
+        self.skip = {tuple(p.shape) for p in model.parameters()}
         self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, tuple | list) else [out]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) not in self.skip:
                 self.largest = max(self.largest, t.numel() * t.element_size())
         return out
 
@@ -114,7 +118,7 @@ def measure(model, inputs, device, precision, repeats, emulate):
         if cuda:
             peak = torch.cuda.max_memory_allocated()
         else:
-            with LargestTensor() as largest:
+            with LargestTemporary(model) as largest:
                 saved, out = account(model, loss_fn)
                 out.backward()
             opt.zero_grad(set_to_none=True)
