@@ -29,22 +29,25 @@ def compressed_call(layer, x, weight, bias):
     forward and again in the backward, so what is kept for the backward is the parameter
     itself, never a 16-bit copy of it (eager autocast keeps one per layer until the backward:
     2 bytes per parameter). The results are the same, bit for bit."""
-    device = x.device.type
-    dtype = weight.dtype
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, bias = _autocast(x, dtype), _autocast(bias, dtype)
-        dtype = dtype if weight.dtype in _AUTOCAST_FLOATS else weight.dtype
-    with torch.autocast(device, enabled=False):
-        return _CompressedInput.apply(x, weight, bias, layer, dtype)
+    dtype, (x, bias) = autocast_casts(weight, x, bias)
+    with torch.autocast(x.device.type, enabled=False):
+        return _CompressedInput.apply(x, weight, bias, layer, dtype or weight.dtype)
 
 
 _AUTOCAST_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _autocast(t, dtype):
-    """What autocast does to an input of a lower-precision op: cast 16- and 32-bit floats."""
-    return t.to(dtype) if t is not None and t.dtype in _AUTOCAST_FLOATS else t
+def autocast_casts(weight, *tensors):
+    """What autocast does to the inputs of a lower-precision op (a matmul) with this weight:
+    (the dtype to compute in, the other tensors cast to it); (None, tensors) with autocast
+    off. Only 16- and 32-bit floats are cast, as autocast does."""
+    device = weight.device.type
+    if not torch.is_autocast_enabled(device):
+        return None, tensors
+    dtype = torch.get_autocast_dtype(device)
+    cast = tuple(t.to(dtype) if t is not None and t.dtype in _AUTOCAST_FLOATS else t
+                 for t in tensors)
+    return (dtype if weight.dtype in _AUTOCAST_FLOATS else weight.dtype), cast
 
 
 class _CompressedInput(torch.autograd.Function):

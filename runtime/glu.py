@@ -21,7 +21,7 @@ from actdesign.codegen.render import render_glu
 from actdesign.errors import ActdesignError
 
 from .cache import generated
-from .compressed import _AUTOCAST_FLOATS, LeanLinear, _autocast
+from .compressed import LeanLinear, autocast_casts
 from .targets import activation_name
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -70,15 +70,10 @@ class MSGLU(nn.Module):
 
     def forward(self, x):
         g, u = self.gate_proj(x), self.up_proj(x)
-        weight, bias = self.down_proj.weight, self.down_proj.bias
-        device = g.device.type
-        dtype = weight.dtype
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            bias = _autocast(bias, dtype)
-            dtype = dtype if weight.dtype in _AUTOCAST_FLOATS else weight.dtype
-        with torch.autocast(device, enabled=False):
-            return _GLUDown.apply(g, u, weight, bias, self.act, dtype)
+        weight = self.down_proj.weight
+        dtype, (bias,) = autocast_casts(weight, self.down_proj.bias)
+        with torch.autocast(g.device.type, enabled=False):
+            return _GLUDown.apply(g, u, weight, bias, self.act, dtype or weight.dtype)
 
     def extra_repr(self):
         return f"act={self.act}"

@@ -27,7 +27,7 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 
-from .compressed import _autocast
+from .compressed import autocast_casts
 from .targets import is_causal_lm
 
 
@@ -52,16 +52,13 @@ def fused_linear_cross_entropy(hidden, weight, labels=None, *, shift_labels=None
         raise ActdesignError(f"a head weight of shape {tuple(weight.shape)} cannot read hidden "
                              f"states of width {hidden.shape[-1]}")
     targets = shift_labels.reshape(-1).to(hidden.device)
-    device = hidden.device.type
-    dtype = hidden.dtype
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        hidden = _autocast(hidden, dtype)
+    dtype, (hidden,) = autocast_casts(weight, hidden)
+    dtype = dtype or hidden.dtype
     flat = hidden.reshape(-1, hidden.shape[-1])
     tokens, vocab = flat.shape[0], weight.shape[0]
     if chunk_size is None:
         chunk_size = max(256, -(-tokens * flat.shape[1] // vocab))
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(hidden.device.type, enabled=False):
         total = _FusedLinearCrossEntropy.apply(flat, weight, targets, ignore_index,
                                                int(chunk_size), dtype)
     if num_items_in_batch is None:
