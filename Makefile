@@ -41,7 +41,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/allocate.py
 	$(BIN)/python benchmarks/compressed_layers.py --quick
 	$(BIN)/python benchmarks/models.py --quick
+	$(BIN)/python benchmarks/models.py --quick --precision bf16-autocast --policies fewbit3+msnorm llm
+	$(BIN)/python benchmarks/llm_memory.py --quick --repeats 1
 	$(BIN)/python benchmarks/convergence.py --quick
+	$(BIN)/python benchmarks/convergence.py --quick --arch llama --variants llm --precision bf16-autocast
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info

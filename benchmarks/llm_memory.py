@@ -87,8 +87,9 @@ def build(name: str, row: str, device: str):
     return model
 
 
-def measure(model, inputs, device, precision, repeats, emulate):
-    """(peak bytes, median step seconds, last loss)."""
+def measure(model, inputs, device, precision, repeats, emulate, snapshot=None):
+    """(peak bytes, median step seconds, last loss). On CUDA with `snapshot` (a path), the
+    allocator's history of the timed steps is dumped there, for pytorch.org/memory_viz."""
     cuda = device.startswith("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
@@ -109,6 +110,8 @@ def measure(model, inputs, device, precision, repeats, emulate):
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+            if snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -117,6 +120,9 @@ def measure(model, inputs, device, precision, repeats, emulate):
             times.append(time.perf_counter() - start)
         if cuda:
             peak = torch.cuda.max_memory_allocated()
+            if snapshot:
+                torch.cuda.memory._dump_snapshot(snapshot)
+                torch.cuda.memory._record_memory_history(enabled=None)
         else:
             with LargestTemporary(model) as largest:
                 saved, out = account(model, loss_fn)
@@ -138,6 +144,8 @@ def main():
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-autocast")
     parser.add_argument("--native-cpu-bf16", action="store_true")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--snapshot", metavar="DIR",
+                        help="CUDA: dump each row's allocator history to DIR/<model>_<row>.pickle")
     args = parser.parse_args()
     names = args.models or [f"{m}-tiny" if args.quick else m for m in ("llama", "gpt2", "qwen2")]
     emulate = emulate_bf16_matmuls(args.device, args.precision, args.native_cpu_bf16)
@@ -157,8 +165,12 @@ def main():
             if model is None:
                 continue
             inputs = models.example_batch(model, args.batch, args.seq)
+            snapshot = None
+            if args.snapshot and cuda:
+                Path(args.snapshot).mkdir(parents=True, exist_ok=True)
+                snapshot = str(Path(args.snapshot) / f"{name}_{setup}.pickle")
             peak, seconds, loss = measure(model, inputs, args.device, args.precision,
-                                          args.repeats, emulate)
+                                          args.repeats, emulate, snapshot)
             base = base or (peak, seconds)
             row([setup, f"{peak / 2**20:,.1f}", f"{peak / base[0]:.3f}",
                  f"{seconds * 1e3:,.1f}", f"{seconds / base[1]:.2f}", f"{loss:.4f}"])
