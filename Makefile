@@ -25,6 +25,8 @@ demo: $(STAMP)
 	$(BIN)/python examples/train_mlp.py $(OUT)/gelu3_ops.py
 	$(BIN)/actdesign profile --model gpt2-tiny --policy fewbit3+msnorm --batch 8 --seq 256 \
 		--plot $(OUT)/profile.png
+	$(BIN)/actdesign profile --model llama-tiny --policy llm --batch 8 --seq 256 \
+		--precision bf16-autocast
 
 test: $(STAMP)
 	$(BIN)/pytest -q
