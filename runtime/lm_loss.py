@@ -171,12 +171,15 @@ def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=Non
     original = model.forward
     own = model.__dict__.get("forward")  # a forward set on the instance, kept on refusal
     setattr(model.get_submodule(parent), attr, fused)
-    model.forward = types.MethodType(_fused_forward(original, fused), model)
+    # Kept on the model, not in a closure, so that a deep copy runs its own copies.
+    model.unfused_forward = original
+    model.forward = types.MethodType(_fused_forward, model)
     if probe is not None:
         expected, got = _probe_losses(model, original, probe)
         tolerance = 64 * torch.finfo(expected.dtype).eps * max(1.0, abs(expected.item()))
         if not abs(got.item() - expected.item()) <= tolerance:  # NaN fails too
             setattr(model.get_submodule(parent), attr, head)
+            del model.unfused_forward
             if own is None:
                 del model.forward  # the class's own forward again
             else:
@@ -198,38 +201,36 @@ def _probe_losses(model, original, probe):
         model.train(training)
 
 
-def _fused_forward(original, head: FusedLossHead):
+def _fused_forward(self, *args, **kwargs):
+    """A causal LM's forward whose loss, given labels, is fused with its head."""
+    original, head = self.unfused_forward, self.get_output_embeddings()
     signature = inspect.signature(original)
-
-    def forward(self, *args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        extra = bound.arguments.get(_var_keyword(signature), {})
-        where = bound.arguments if "labels" in bound.arguments else extra
-        labels, shift_labels = where.get("labels"), extra.get("shift_labels")
-        if labels is None and shift_labels is None:
-            return original(*args, **kwargs)
-        if "labels" in where:
-            where["labels"] = None
-        keep = bound.arguments.get("logits_to_keep", 0)
-        if not (isinstance(keep, int) and keep == 0):
-            raise ActdesignError("the fused loss covers every position: logits_to_keep must "
-                                 "be 0 when labels are given")
-        head.deferred = True
-        try:
-            out = original(*bound.args, **bound.kwargs)
-        finally:
-            head.deferred = False
-        hidden = out[0] if isinstance(out, tuple) else out.logits
-        loss = fused_linear_cross_entropy(
-            hidden, head.weight, labels if shift_labels is None else None,
-            shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
-            ignore_index=extra.get("ignore_index", -100), chunk_size=head.chunk_size)
-        if isinstance(out, tuple):  # logits are not materialised: (loss, *the rest)
-            return (loss, *out[1:])
-        out.loss, out.logits = loss, None
-        return out
-
-    return forward
+    bound = signature.bind(*args, **kwargs)
+    extra = bound.arguments.get(_var_keyword(signature), {})
+    where = bound.arguments if "labels" in bound.arguments else extra
+    labels, shift_labels = where.get("labels"), extra.get("shift_labels")
+    if labels is None and shift_labels is None:
+        return original(*args, **kwargs)
+    if "labels" in where:
+        where["labels"] = None
+    keep = bound.arguments.get("logits_to_keep", 0)
+    if not (isinstance(keep, int) and keep == 0):
+        raise ActdesignError("the fused loss covers every position: logits_to_keep must "
+                             "be 0 when labels are given")
+    head.deferred = True
+    try:
+        out = original(*bound.args, **bound.kwargs)
+    finally:
+        head.deferred = False
+    hidden = out[0] if isinstance(out, tuple) else out.logits
+    loss = fused_linear_cross_entropy(
+        hidden, head.weight, labels if shift_labels is None else None,
+        shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
+        ignore_index=extra.get("ignore_index", -100), chunk_size=head.chunk_size)
+    if isinstance(out, tuple):  # logits are not materialised: (loss, *the rest)
+        return (loss, *out[1:])
+    out.loss, out.logits = loss, None
+    return out
 
 
 def _var_keyword(signature) -> str | None:

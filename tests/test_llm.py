@@ -168,8 +168,11 @@ def test_attached_loss_matches_the_models_own(name):
         assert torch.equal(model(**plain).logits, ref(**plain).logits)
     loss, *rest = model(**inputs, return_dict=False)
     torch.testing.assert_close(loss, ref(**inputs).loss, rtol=2e-6, atol=0)
-    clone = copy.deepcopy(model)  # the patched forward follows the copy
-    assert clone.forward.__self__ is clone and clone(**inputs).logits is None
+    clone = copy.deepcopy(model)  # the copy runs its own modules and weights
+    with torch.no_grad():
+        clone.lm_head.weight.mul_(2)
+        assert clone(**inputs).loss != model(**inputs).loss
+        assert clone(**plain).logits.abs().sum() > 0
     with pytest.raises(ActdesignError, match="logits_to_keep"):
         model(**inputs, logits_to_keep=1)
 
