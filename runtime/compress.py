@@ -125,13 +125,13 @@ def match(model, policy) -> tuple[dict, list]:
     """({name: (module, first matching rule)} for modules a rule applies to (not `keep`),
     [(name, class, why) for modules that match but cannot be replaced])."""
     chosen, skipped = {}, []
-    claimed = []  # gated MLPs chosen: their layers are theirs; so is a fused loss's head
+    glus, heads = [], set()  # a chosen gated MLP's layers, and a fused loss's head, are theirs
     for name, m in model.named_modules():
         target = target_of(m)
-        if target is None or any(m is c if isinstance(c, nn.Module) else name.startswith(c + ".")
-                                   for c in claimed) \
-                or (target == "head" and isinstance(m.get_output_embeddings(), FusedLossHead)):
+        if target is None or id(m) in heads or any(name.startswith(g + ".") for g in glus):
             continue
+        if target == "head" and isinstance(m.get_output_embeddings(), FusedLossHead):
+            continue  # fused already
         for rule in policy.rules:
             if rule.target == target and any(fnmatchcase(name, g) for g in rule.names) \
                     and (not rule.types or type(m).__name__ in rule.types):
@@ -140,8 +140,10 @@ def match(model, policy) -> tuple[dict, list]:
                                     "submodules: wrap the module in a container"))
                 elif rule.apply != "keep":
                     chosen[name] = (m, rule)
-                    claimed += [name] if target == "glu" else []
-                    claimed += [m.get_output_embeddings()] if target == "head" else []
+                    if target == "glu":
+                        glus.append(name)
+                    if target == "head":
+                        heads.add(id(m.get_output_embeddings()))
                 break
     return chosen, skipped
 
