@@ -131,6 +131,20 @@ def test_nothing_of_size_tokens_times_vocabulary_is_kept_or_made(saved):
     assert mode.largest >= 600 * 2000 * 4
 
 
+def test_under_autocast_only_the_consumed_hidden_states_are_kept(saved):
+    """The bf16 copy the product consumes, never the head weight's bf16 copy (eager keeps
+    both, and the logits)."""
+    hidden, weight, labels = problem(torch.float32, tokens=300, d=16, vocab=2000)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+
+    def loss(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fused_linear_cross_entropy(x, w, labels, chunk_size=64)
+
+    kept = saved(loss, h, [w])
+    assert sorted(kept.values()) == sorted([h.numel() * 2, 600 * 8, 600 * 4, 8])
+
+
 # --- transformers causal LMs --------------------------------------------------------------
 
 def causal_lm(name="llama-tiny", dtype=torch.float32):
