@@ -53,8 +53,9 @@ def render(source) -> str:
         "borders_f32": [literal(_ceil_float32(v)) for v in spec.borders],
         "levels": [literal(v) for v in spec.levels],
         "tuple": _tuple_lines,
-        "bytes_pow2": 1 << (spec.bits - 1).bit_length(),
         "pack_terms": _pack_terms(spec.bits),
+        "words_from_chunks": _regroup(8 * spec.bits, 32, 4, spec.bits, "c"),
+        "chunks_from_words": _regroup(32, 8 * spec.bits, spec.bits, 4, "w"),
         "unpack_terms": _unpack_terms(spec.bits),
         "triton_f": triton_f,
         "torch_f": torch_f,
@@ -142,7 +143,17 @@ def _unpack_terms(bits: int) -> list[list[str]]:
              if -8 < 8 * k - j * bits < bits] for j in range(8)]
 
 
-def _shifted(value: str, shift: int) -> str:
+def _regroup(src: int, dst: int, n_src: int, n_dst: int, name: str) -> list[list[str]]:
+    """One bitstream cut two ways: piece j of `src` bits (named name0, name1, ...) sits at bit
+    j*src. For each piece k of `dst` bits, the shifted source pieces that overlap it (Triton
+    expressions of uint64 tensors; the caller masks the result to `dst` bits)."""
+    return [[_shifted(f"{name}{j}", j * src - k * dst, wrap=False) for j in range(n_src)
+             if -src < j * src - k * dst < dst] for k in range(n_dst)]
+
+
+def _shifted(value: str, shift: int, wrap: bool = True) -> str:
+    if shift and not wrap:
+        return f"({value} << {shift})" if shift > 0 else f"({value} >> {-shift})"
     if shift == 0:
         return value
     return f"({value} << _U({shift}))" if shift > 0 else f"({value} >> _U({-shift}))"

@@ -21,15 +21,21 @@ TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
 VARIANTS = [("fp32", "i32"), ("fp16", "i32"), ("bf16", "i32"), ("fp32", "i64")]
 
 
-def kernels(ops, dtype, index):
-    """(name, ASTSource) for the forward and backward kernels with `index` ints (i32 or i64)."""
-    block = {"BLOCK": ops._BLOCK}
-    yield "forward", ASTSource(ops._forward_kernel, {
-        "x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "packed_ptr": "*u8", "n": index,
-        "nbytes": index, "BLOCK": "constexpr"}, constexprs=block)
-    yield "backward", ASTSource(ops._backward_kernel, {
-        "packed_ptr": "*u8", "g_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}", "n": index,
-        "nbytes": index, "BLOCK": "constexpr"}, constexprs=block)
+def kernels(ops, dtype, index, aligned=False):
+    """(name, ASTSource) for the forward and backward kernels with `index` ints (i32 or i64);
+    `aligned`: pointers and sizes divisible by 16, as Triton specializes large tensors."""
+    yield "forward", source(ops._forward_kernel, {
+        "x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "packed_ptr": "*u8", "borders_ptr": "*fp32",
+        "n": index, "nbytes": index}, aligned=aligned)
+    yield "backward", source(ops._backward_kernel, {
+        "packed_ptr": "*u8", "g_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}", "levels_ptr": "*fp32",
+        "n": index, "nbytes": index}, aligned=aligned)
+
+
+def source(fn, signature, constexprs=None, aligned=False):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
+             if aligned and kind != "constexpr"}
+    return ASTSource(fn, signature, constexprs, attrs)
 
 
 def norm_kernels(ops, dtype):
@@ -104,6 +110,26 @@ def main(paths):
                     assert ptr_math and all("i64" in line for line in ptr_math), name
                     print(f"{path} bits={ops.BITS} {name} {dtype} n:{index} "
                           f"sm_{target.arch}: ok", flush=True)
+        check_memory_instructions(path, ops)
+
+
+def check_memory_instructions(path, ops):
+    """On sizes and pointers Triton specializes as 16-aligned (every large tensor), the data
+    moves in 16-byte vectors and the codes in whole 32-bit words: `bits` word accesses per 32
+    elements; byte accesses appear only in the tail's branch, 4 per word."""
+    for name, src in kernels(ops, "bf16", "i32", aligned=True):
+        ptx = triton.compile(src, target=TARGETS[-1]).asm["ptx"]
+        data = "ld" if name == "forward" else "st"
+        code = "st" if name == "forward" else "ld"
+        assert re.search(rf"\b{data}\.global\.v4\.b32", ptx), (name, "data not vectorized")
+        tail = re.findall(rf"\b{code}\.global\.b8\b", ptx)
+        words = re.findall(rf"\b{code}\.global\.b32\b", ptx)
+        # The backward's table look-ups (from 4 bits on) are word loads too: 32 per branch.
+        gathers = 64 if name == "backward" and ops.BITS >= 4 else 0
+        assert len(words) == ops.BITS + gathers, (name, len(words))
+        assert len(tail) == 4 * ops.BITS, (name, len(tail))
+        print(f"{path} bits={ops.BITS} {name} bf16 aligned sm_90: vectors and words: ok",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -288,3 +288,30 @@ def test_a_second_import_of_the_same_file_reuses_the_op(make_spec, tmp_path):
     x = torch.randn(50, requires_grad=True)
     assert a.OP == b.OP and torch.equal(a.apply(x), b.apply(x))
     assert runtime.load(make_spec("elu", 2, seed=7)).OP == a.OP
+
+
+def test_eager_autograd_skips_the_custom_op_dispatch(ops_for, monkeypatch):
+    # Eager calls run the kernels under a plain autograd.Function; only torch.compile needs the
+    # custom op. Same codes, same gradient.
+    ops = ops_for("gelu", bits=3)
+    x = torch.randn(1000, requires_grad=True)
+    g = torch.randn(1000)
+    expected = ops._backward_op(ops._forward_op(x.detach())[1], g)
+
+    def refuse(*args):
+        raise AssertionError("custom op called in eager mode")
+
+    monkeypatch.setattr(ops, "_forward_op", refuse)
+    monkeypatch.setattr(ops, "_backward_op", refuse)
+    y = ops.apply(x)
+    assert torch.equal(y, F.gelu(x.detach()))
+    y.backward(g)
+    assert torch.equal(x.grad, expected)
+
+
+def test_double_backward_is_refused(ops_for):
+    ops = ops_for("gelu", bits=3)
+    x, v = torch.randn(10, requires_grad=True), torch.randn(10, requires_grad=True)
+    (dx,) = torch.autograd.grad(ops.apply(x), x, v, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.sum().backward()
