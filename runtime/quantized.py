@@ -38,12 +38,13 @@ class _QuantizedInput:
         self._seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
 
     def _sample_bits(self, x):
+        # On the host: the codes' layout is worked out there, without waiting for the device.
         bits = self.bits
         if isinstance(bits, int):
             if not 1 <= bits <= 8:
                 raise ActdesignError(f"bits must be in 1..8, got {bits}")
-            return torch.full((x.shape[0],), bits, dtype=torch.int8, device=x.device)
-        bits = torch.as_tensor(bits).to(device=x.device)
+            return torch.full((x.shape[0],), bits, dtype=torch.int8)
+        bits = torch.as_tensor(bits).cpu()
         if bits.shape != (x.shape[0],) or bits.min() < 1 or bits.max() > 8:
             raise ActdesignError(f"per-sample bits must be {x.shape[0]} values in 1..8")
         return bits.to(torch.int8)

@@ -55,11 +55,10 @@ def actnn_kernels(ops, dtype):
         "x_ptr": f"*{dtype}", "bits_ptr": "*i8", "offsets_ptr": "*i64", "packed_ptr": "*u8",
         "lo_ptr": "*fp32", "range_ptr": "*fp32", "m": "i32", "groups": "i32",
         "seed_mix": "i64", "G": "constexpr"}, constexprs={"G": 256})
-    if dtype == "fp32":
-        yield "actnn dequantize", ASTSource(ops._dequantize_kernel, {
-            "packed_ptr": "*u8", "bits_ptr": "*i8", "offsets_ptr": "*i64", "lo_ptr": "*fp32",
-            "range_ptr": "*fp32", "out_ptr": "*fp32", "m": "i32", "groups": "i32",
-            "G": "constexpr"}, constexprs={"G": 256})
+    yield "actnn dequantize", ASTSource(ops._dequantize_kernel, {
+        "packed_ptr": "*u8", "bits_ptr": "*i8", "offsets_ptr": "*i64", "lo_ptr": "*fp32",
+        "range_ptr": "*fp32", "out_ptr": f"*{dtype}", "m": "i32", "groups": "i32",
+        "G": "constexpr"}, constexprs={"G": 256})
 
 
 def glu_kernels(ops, dtype):

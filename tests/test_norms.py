@@ -163,7 +163,7 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("kind", sorted(NORMS))
 def test_opcheck(kind):
-    forward, backward = norm_ops().OPS[kind]
+    forward, backward, _ = norm_ops().OPS[kind]
     x = torch.randn(4, 3, 16, requires_grad=True)
     torch.library.opcheck(forward, (x, 1e-5, torch.float32))
     y, rstd = forward(x.detach(), 1e-5, torch.float32)
@@ -185,3 +185,22 @@ def test_torch_compile_of_a_folded_block_matches_eager():
         results.append((y.detach(), xi.grad, block.q.weight.grad.clone()))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_eager_autograd_skips_the_custom_op_dispatch(kind, monkeypatch):
+    ops = norm_ops()
+    forward, backward, eager = ops.OPS[kind]
+    x = torch.randn(6, 40, requires_grad=True)
+    g = torch.randn(6, 40)
+    y_ref, rstd = forward(x.detach(), 1e-5, torch.float32)
+    dx_ref = backward(y_ref, rstd, g)
+
+    def refuse(*args):
+        raise AssertionError("custom op called in eager mode")
+
+    monkeypatch.setitem(ops.OPS, kind, (refuse, refuse, eager))
+    y = ops.apply(kind, x, 1e-5)
+    assert y.grad_fn.saved_tensors[0].data_ptr() == y.data_ptr()  # y itself is kept
+    y.backward(g)
+    assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)

@@ -35,6 +35,27 @@ def test_kernels_match_the_torch_path(m, group, bits, monkeypatch):
     assert (err[[0, 1, 3]] < 1 + 1e-4).all()  # within one step of x
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_dequantized_copy_comes_in_the_asked_dtype_as_the_float32_one_rounded(dtype, monkeypatch):
+    # The kernels write the copy in its dtype directly; it is the float32 copy, rounded once.
+    ops = actnn_ops()
+    x = torch.randn(3, 1000)
+    b = torch.tensor([2, 3, 8], dtype=torch.int8)
+    packed, lo, width = ops.quantize(x, b, 5, 256)
+    expected = ops.dequantize(packed, lo, width, b, 1000, 256, torch.float32).to(dtype)
+    for backend in ("torch", "triton", "numba"):
+        monkeypatch.setenv("ACTDESIGN_BACKEND", backend)
+        got = ops.dequantize(packed, lo, width, b, 1000, 256, dtype)
+        assert got.dtype == dtype and torch.equal(got, expected), backend
+
+
+def test_bits_stay_on_the_host():
+    # The codes' layout is worked out from host-side bits: no wait for the device per layer.
+    layer = QLinear(300, 4, bits=3)
+    packed, lo, width, bits = layer.compress(torch.randn(5, 300))
+    assert bits.device.type == "cpu" and bits.tolist() == [3] * 5
+
+
 def predicted_variance(x, bits, group):
     """Per element: step² p (1 - p), p the fractional position of x within its step."""
     n, m = x.shape
