@@ -179,6 +179,37 @@ def block_memory(device, ops):
         with torch.autocast(device, dtype=torch.bfloat16):
             saved = saved_bytes(model, x) / 2**20
         print(f"{name}: saved {saved:.1f} MiB, peak {peak:.1f} MiB, step {ms:.2f} ms")
+        if device == "cuda":
+            at_peak(step)
+
+
+def at_peak(step, top=6):
+    """What is allocated when one step peaks: the CUDA allocator's history of the step
+    replayed; the largest blocks then, each with the frame that allocated it (the first one
+    outside torch itself)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    step()
+    torch.cuda.synchronize()
+    events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at = {}, 0, 0, {}
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+        if total > peak:
+            peak, at = total, dict(live)
+    print(f"  peak {(before + peak) / 2**20:.1f} MiB: {before / 2**20:.1f} allocated before the "
+          f"step, {peak / 2**20:.1f} during it; largest blocks then:")
+    for e in sorted(at.values(), key=lambda e: -e["size"])[:top]:
+        frames = e.get("frames") or [{}]
+        where = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0])
+        print(f"    {e['size'] / 2**20:8.1f} MiB  {where.get('name', '?')} "
+              f"({Path(where.get('filename', '?')).name}:{where.get('line', '?')})")
 
 
 def models(device):
@@ -189,15 +220,21 @@ def models(device):
     quick = device == "cpu"
     for precision in ("bf16-autocast", "fp32"):
         for name in ("gpt2-tiny", "llama-tiny") if quick else ("gpt2", "llama"):
+            step = {}
             for policy in ("fewbit3+msnorm", "fewbit3+msnorm+actnn2", "llm", "llm+actnn2"):
                 r = profile(name, policy, 8, 64 if quick else 512, device,
                             repeats=1 if quick else 5, precision=precision)
                 d = r.to_dict()
+                step[policy] = r.compressed.step_s
                 print(f"{name} {policy} {precision}: saved {d['saved_ratio']:.3f}, peak "
                       f"{r.baseline.peak / 2**30:.2f} -> {r.compressed.peak / 2**30:.2f} GiB "
                       f"({d['peak_ratio']:.3f}, {r.peak_kind}), step "
                       f"{r.baseline.step_s * 1e3:.1f} -> {r.compressed.step_s * 1e3:.1f} ms "
                       f"({d['time_ratio']:.2f})", flush=True)
+            for base in ("fewbit3+msnorm", "llm"):
+                print(f"{name} {precision}: actnn2 on top of {base} costs "
+                      f"{step[base + '+actnn2'] / step[base] - 1:+.0%} of the step "
+                      f"(goal: at most +15% in bf16)", flush=True)
 
 
 def main():

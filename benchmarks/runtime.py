@@ -1,19 +1,33 @@
-"""Benchmark of the generated few-bit op against torch's own activation, in the same run.
+"""Benchmark of the generated kernels against torch's own ops, in the same run.
 
-For each activation, size and dtype: forward and backward time (median), their ratio to
-torch, and the bytes saved for backward per element (torch keeps the input; we keep b bits).
-CPU runs the numba kernels; CUDA, when present, the Triton kernels, with achieved bandwidth
-and a bit-for-bit check of their codes and gradients against the CPU reference.
+1. Few-bit ops against torch's activation. For each activation, size and dtype: forward and
+   backward time (median), their ratio to torch, and the bytes saved for backward per element
+   (torch keeps the input; we keep b bits). CPU runs the numba kernels; CUDA the Triton
+   kernels, with the achieved bandwidth as a share of a device-to-device copy's (measured in
+   the same run, read + write), and a bit-for-bit check of codes and gradients against the
+   CPU reference. Bytes moved: forward reads x, writes y and the codes; backward reads the
+   codes and g, writes dx.
+2. Small tensors (2^16 elements): the wall time per call of pipelined forward and
+   forward + backward calls, ours and torch's: the host's cost per call.
+3. MS norms (forward, backward) against F.layer_norm / F.rms_norm without affine parameters,
+   for d = 768 to 8192; 2^27 elements on CUDA (--quick: 2^24), 2^20 on CPU.
+
+Goals on CUDA (bf16 and fp32, 2^24 to 2^27 elements): few-bit forward <= 1.10x torch,
+backward <= 0.85x, at >= 75% of the copy bandwidth; small-tensor forward + backward within
+30 us of torch's; MS norms <= 1.0x torch.
 
 Run: .venv/bin/python benchmarks/runtime.py [--quick] [--markdown] [--device cpu|cuda|all]
+         [--acts gelu,silu,tanh] [--bits 1,2,3,4,8]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -90,20 +104,31 @@ def peak_bandwidth_gbs():
     return 2 * clock * 1e3 * width / 8 / 1e9 if clock and width else None
 
 
-def run(device, sizes, dtypes, bits_list, repeats, markdown):
+def copy_gbs(device, repeats, n=2**27):
+    """What a device-to-device copy moves (read + write), GB/s: the practical ceiling."""
+    src = torch.empty(n, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / timer(device)(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def run(device, sizes, dtypes, bits_list, acts, repeats, markdown):
     print(f"\n## {device.upper()}\n")
+    copy = None
     if device == "cuda":
-        peak = peak_bandwidth_gbs()
+        peak, copy = peak_bandwidth_gbs(), copy_gbs(device, repeats)
         print(f"Device: {torch.cuda.get_device_name(0)}; peak memory bandwidth "
-              f"{peak:.0f} GB/s" if peak else f"Device: {torch.cuda.get_device_name(0)}")
+              f"{peak:.0f} GB/s; " if peak else f"Device: {torch.cuda.get_device_name(0)}; ",
+              end="")
+        print(f"device-to-device copy {copy:.0f} GB/s (read + write)\n")
     header = ["act", "bits", "dtype", "n", "torch fwd ms", "ours fwd ms", "fwd ratio",
               "torch bwd ms", "ours bwd ms", "bwd ratio", "fwd+bwd ratio", "saved B/elem torch",
               "saved B/elem ours"]
     if device == "cuda":
-        header += ["fwd GB/s", "bwd GB/s", "exact"]
+        header += ["fwd GB/s", "bwd GB/s", "fwd % copy", "bwd % copy", "exact"]
     line = table(header, markdown, width=13)
     totals = []
-    for name, fn in ACTIVATIONS.items():
+    for name in acts:
+        fn = ACTIVATIONS[name]
         for bits in bits_list:
             ops = runtime.load(spec.from_fit(fit_stepwise(name, bits)))
             for dtype in dtypes:
@@ -119,10 +144,81 @@ def run(device, sizes, dtypes, bits_list, repeats, markdown):
                     if device == "cuda":
                         gf, gb = bandwidth_gbs(n, torch.finfo(dtype).bits // 8, bits, of, ob)
                         exact = exact_on_device(ops, n, dtype, device)
-                        cells += [f"{gf:.0f}", f"{gb:.0f}", "yes" if exact else "NO"]
+                        cells += [f"{gf:.0f}", f"{gb:.0f}", f"{100 * gf / copy:.0f}%",
+                                  f"{100 * gb / copy:.0f}%", "yes" if exact else "NO"]
                     line(cells)
     print(f"\nmedian fwd+bwd ratio over {len(totals)} rows: {statistics.median(totals):.2f} "
           f"(max {max(totals):.2f})")
+    small_tensors(device, markdown)
+    norms(device, dtypes[:2], [2**24 if len(sizes) < 4 else 2**27] if device == "cuda"
+          else [2**20], repeats, markdown, copy)
+
+
+def per_call_us(device, fn, calls):
+    """Wall time per call of `calls` back-to-back calls: the host's cost where kernels are short."""
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def small_tensors(device, markdown, n=2**16):
+    print(f"\nSmall tensors, {n} float32 elements: wall time per call, calls back to back\n")
+    ops = runtime.load(spec.from_fit(fit_stepwise("gelu", 3)))
+    x = torch.randn(n, device=device, requires_grad=True)
+    g = torch.randn(n, device=device)
+    line = table(["call", "torch us", "ours us", "ours - torch us"], markdown, width=16,
+                 first=24)
+    for what, make in (("forward", lambda f: lambda: f(x)),
+                       ("forward + backward", lambda f: lambda: f(x).backward(g))):
+        t, o = (statistics.median(per_call_us(device, make(f), 200) for _ in range(5))
+                for f in (F.gelu, ops.apply))
+        line([what, f"{t:.0f}", f"{o:.0f}", f"{o - t:+.0f}"])
+
+
+def fwd_bwd(measure, repeats, f, x, g):
+    """Median forward and backward times of y = f(x)."""
+    y = f(x)
+    return (measure(lambda: f(x), repeats),
+            measure(lambda: torch.autograd.grad(y, x, g, retain_graph=True), repeats))
+
+
+def norms(device, dtypes, totals, repeats, markdown, copy):
+    """MS norms against torch's, no affine parameters: y = norm(x); dx from g."""
+    print("\nMS norms against F.layer_norm / F.rms_norm (no affine), forward and backward\n")
+    ops = runtime.norm_ops()
+    torch_norms = {"layer": lambda x, d: F.layer_norm(x, (d,), eps=1e-5),
+                   "rms": lambda x, d: F.rms_norm(x, (d,), eps=1e-5)}
+    measure = timer(device)
+    header = ["norm", "dtype", "rows x d", "torch fwd ms", "ours fwd ms", "fwd ratio",
+              "torch bwd ms", "ours bwd ms", "bwd ratio"]
+    if copy:
+        header += ["fwd % copy", "bwd % copy"]
+    line = table(header, markdown, width=13)
+    for kind, reference in torch_norms.items():
+        for dtype in dtypes:
+            for total in totals:
+                for d in (768, 1024, 2048, 4096, 8192):
+                    x = torch.randn(total // d, d, device=device, dtype=dtype,
+                                    requires_grad=True)
+                    g = torch.randn_like(x)
+                    cells = [kind, str(dtype).replace("torch.", ""), f"{total // d} x {d}"]
+                    (tf, tb), (of, ob) = (
+                        fwd_bwd(measure, repeats, f, x, g) for f in (
+                            functools.partial(reference, d=d),
+                            functools.partial(ops.apply, kind, eps=1e-5)))
+                    cells += [f"{tf * 1e3:.3f}", f"{of * 1e3:.3f}", f"{of / tf:.2f}",
+                              f"{tb * 1e3:.3f}", f"{ob * 1e3:.3f}", f"{ob / tb:.2f}"]
+                    if copy:  # forward reads x, writes y; backward reads y and g, writes dx
+                        moved = x.nbytes
+                        cells += [f"{100 * 2 * moved / of / 1e9 / copy:.0f}%",
+                                  f"{100 * 3 * moved / ob / 1e9 / copy:.0f}%"]
+                    line(cells)
 
 
 def main():
@@ -130,18 +226,26 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer sizes, bits and repeats")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    parser.add_argument("--acts", default=",".join(ACTIVATIONS),
+                        help=f"comma-separated, from {', '.join(ACTIVATIONS)}")
+    parser.add_argument("--bits", help="comma-separated bit widths (default: 1,2,3,4,8; "
+                        "--quick: 3)")
     args = parser.parse_args()
+    acts = args.acts.split(",")
+    if unknown := set(acts) - set(ACTIVATIONS):
+        parser.error(f"unknown activation {sorted(unknown)[0]!r}")
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"torch {torch.__version__}, torch threads {torch.get_num_threads()}")
-    bits_list = (3,) if args.quick else BITS
+    bits_list = [int(b) for b in args.bits.split(",")] if args.bits else (
+        (3,) if args.quick else BITS)
     if args.device in ("cpu", "all"):
         sizes = [2**16, 2**20] if args.quick else [2**16, 2**18, 2**20, 2**22, 2**24]
-        run("cpu", sizes, [torch.float32, torch.bfloat16], bits_list, 3 if args.quick else 9,
-            args.markdown)
+        run("cpu", sizes, [torch.float32, torch.bfloat16], bits_list, acts,
+            3 if args.quick else 9, args.markdown)
     if args.device in ("cuda", "all") and torch.cuda.is_available():
-        sizes = [2**16, 2**20] if args.quick else [2**16, 2**18, 2**20, 2**22, 2**24]
-        run("cuda", sizes, [torch.float32, torch.bfloat16, torch.float16], bits_list,
-            20 if args.quick else 100, args.markdown)
+        sizes = [2**16, 2**24] if args.quick else [2**16, 2**20, 2**24, 2**27]
+        run("cuda", sizes, [torch.bfloat16, torch.float32, torch.float16], bits_list, acts,
+            20 if args.quick else 50, args.markdown)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The device check, one short run on a machine with a GPU (about 8 minutes on an H200):
+#   1. gpu_check.py: every kernel against the CPU reference (bit for bit, or against float64),
+#      the single block's peak and what is allocated at it, GPT-2 and LLaMA profiles with the
+#      cost of actnn2 on the step;
+#   2. runtime.py: few-bit kernels (GELU, 1-4 and 8 bits, bf16/fp32/fp16, 2^16..2^27) as a
+#      share of the copy bandwidth, the small-tensor cost per call, MS norms against torch's;
+#   3. llm_memory.py: peak and step time of llama, gpt2 and qwen2 at 16 x 1024 tokens in bf16
+#      autocast: baseline, checkpointing, our presets, Liger-Kernel when installed.
+# Each stage has its own time limit, so one slow stage cannot hide the others' results.
+# Usage, from the repository root: bash benchmarks/gpu.sh [OUTDIR]   (default: $OUT or out)
+set -u
+out=${1:-${OUT:-out}}
+mkdir -p "$out"
+python -m pip install --quiet --no-deps --no-build-isolation . || exit 2
+status=0
+stage() {  # stage NAME SECONDS COMMAND...: output to OUTDIR/NAME.txt and to the console
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { echo "== $name: exit $rc"; status=1; }
+}
+stage gpu_check 240 python benchmarks/gpu_check.py --device cuda
+stage runtime 150 python benchmarks/runtime.py --device cuda --acts gelu --markdown
+stage llm_memory 150 python benchmarks/llm_memory.py --device cuda --batch 16 --seq 1024 \
+    --repeats 5 --markdown
+exit $status
