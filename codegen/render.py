@@ -80,6 +80,11 @@ def render_glu() -> str:
     return _parsed(_environment().get_template("glu_ops.py.jinja").render(version=__version__))
 
 
+def render_rope() -> str:
+    """The rotary embedding module's source: forward and backward kernels."""
+    return _parsed(_environment().get_template("rope_ops.py.jinja").render(version=__version__))
+
+
 def _parsed(source_text: str) -> str:
     try:
         ast.parse(source_text)

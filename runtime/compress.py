@@ -35,6 +35,7 @@ from .lm_loss import FusedLossHead, attach_fused_loss
 from .norms import fold_norm_affine
 from .pooled import PooledConv2d
 from .quantized import QConv2d, QLinear
+from .rope import attach_rotary
 from .sparse import SparseConv2d, SparseLinear
 from .tables import table
 from .targets import activation_name, target_of
@@ -107,6 +108,11 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
                 head = attach_fused_loss(m, rule.option("chunk_size"), _with_labels(inputs))
                 report.replaced.append(Change(head, "Linear", "FusedLossHead (the loss is "
                                               "computed chunk by chunk: no logits kept)"))
+                continue
+            if rule.apply == "rope":  # the module stays; its forward gets our rotation
+                attach_rotary(m)
+                report.replaced.append(Change(name, type(m).__name__, "rotary embedding in "
+                                              "one kernel per tensor (no float32 temporaries)"))
                 continue
             new[m], what = _replacement(name, m, rule)
         except ActdesignError as exc:

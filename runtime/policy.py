@@ -29,7 +29,7 @@ from actdesign.errors import ActdesignError
 from actdesign.files import read_json, write_atomic
 
 FORMAT = "actdesign.policy/1"
-TARGETS = ("activation", "norm", "linear", "conv2d", "glu", "head")
+TARGETS = ("activation", "norm", "linear", "conv2d", "glu", "attention", "head")
 # apply -> (targets it applies to, {option: default})
 METHODS = {
     "keep": (TARGETS, {}),
@@ -41,6 +41,7 @@ METHODS = {
     "pooled": (("conv2d",), {"pool": 2}),
     "lean": (("linear",), {}),
     "msglu": (("glu",), {}),
+    "rope": (("attention",), {}),
     "fused_ce": (("head",), {"chunk_size": None}),
 }
 PRESETS = {
@@ -54,7 +55,8 @@ PRESETS = {
                     {"target": "conv2d", "apply": "backrazor", "ratio": 0.9}],
     "pooled2": [{"target": "conv2d", "apply": "pooled", "pool": 2}],
     "llm": [{"target": "norm", "apply": "msnorm"}, {"target": "glu", "apply": "msglu"},
-            {"target": "head", "apply": "fused_ce"}, {"target": "linear", "apply": "lean"}],
+            {"target": "attention", "apply": "rope"}, {"target": "head", "apply": "fused_ce"},
+            {"target": "linear", "apply": "lean"}],
 }
 # In presets joined by '+', these rules come last: the default for modules no other preset
 # claims (so llm+actnn2 quantizes the Linear layers llm would only keep lean).

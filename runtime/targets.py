@@ -6,6 +6,8 @@ module, so transformers need not be installed.
 
 from __future__ import annotations
 
+import types
+
 from torch import nn
 
 
@@ -89,13 +91,36 @@ def is_causal_lm(m: nn.Module) -> bool:
         and hasattr(m, "get_output_embeddings") and hasattr(m, "base_model_prefix")
 
 
+ROTARY = "apply_rotary_pos_emb"
+
+
+def rotary_function_of(m: nn.Module):
+    """The module-level apply_rotary_pos_emb that a module's class forward (under its
+    decorators) calls by name, or None."""
+    forward = type(m).forward
+    while hasattr(forward, "__wrapped__"):
+        forward = forward.__wrapped__
+    if not isinstance(forward, types.FunctionType) or ROTARY not in forward.__code__.co_names:
+        return None
+    return forward.__globals__.get(ROTARY)
+
+
+def is_rotary_attention(m: nn.Module) -> bool:
+    """An attention module of a transformers model that rotates q and k by calling its
+    modeling file's apply_rotary_pos_emb (and whose forward is still its class's)."""
+    return _from_transformers(m) and "forward" not in m.__dict__ \
+        and rotary_function_of(m) is not None
+
+
 def target_of(m: nn.Module) -> str | None:
-    """'activation', 'norm', 'linear', 'conv2d', 'glu', 'head' (a causal LM, whose loss and
-    head are one), or None for a module no policy touches."""
+    """'activation', 'norm', 'linear', 'conv2d', 'glu', 'attention' (rotary), 'head' (a
+    causal LM, whose loss and head are one), or None for a module no policy touches."""
     if is_causal_lm(m):
         return "head"
     if is_gated_mlp(m):
         return "glu"
+    if is_rotary_attention(m):
+        return "attention"
     if type(m) is nn.Linear or is_hf_conv1d(m):
         return "linear"
     if type(m) is nn.Conv2d:

@@ -2,7 +2,7 @@
 
 Run as a script (the test suite runs it in a fresh process, with the interpreter off):
     python tests/compile_for_cuda.py [--norms] SPEC.json [SPEC.json ...]
---norms also compiles the MS-norm, the ActNN quantization and the MS-GLU kernels.
+--norms also compiles the MS-norm, the ActNN quantization, the MS-GLU and the rotary kernels.
 Prints one line per compiled kernel; exits non-zero on the first failure.
 """
 
@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from actdesign import runtime
 from actdesign.runtime.glu import glu_ops
+from actdesign.runtime.rope import rope_ops
 
 TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
 # n and nbytes arrive as i32 below 2^31 elements and as i64 above; both must index in int64.
@@ -74,20 +75,34 @@ def glu_kernels(ops, dtype):
             constexprs={"KIND": kind, "BLOCK": ops.BLOCK})
 
 
+def rope_kernels(ops, dtype):
+    for backward in (False, True):
+        yield f"rope backward={backward}", ASTSource(ops._rotary_kernel, {
+            "x_ptr": f"*{dtype}", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": f"*{dtype}",
+            **{k: "i32" for k in ("H", "T", "HALF", "sxb", "sxh", "sxt", "scb", "sct", "sob",
+                                  "soh", "sot")},
+            "BACKWARD": "constexpr", "HEADS": "constexpr", "COLS": "constexpr"},
+            constexprs={"BACKWARD": backward, "HEADS": 16, "COLS": 32})
+
+
 def compile_norms():
-    norms, actnn, glu = runtime.norm_ops(), runtime.actnn_ops(), glu_ops()
+    norms, actnn, glu, rope = runtime.norm_ops(), runtime.actnn_ops(), glu_ops(), rope_ops()
     for target in TARGETS:
         for dtype, _ in VARIANTS[:3]:
             kernels = [*norm_kernels(norms, dtype), *actnn_kernels(actnn, dtype),
-                       *glu_kernels(glu, dtype)]
+                       *glu_kernels(glu, dtype), *rope_kernels(rope, dtype)]
             for name, source in kernels:
-                compiled = triton.compile(source, target=target)
+                # The rotation's products and sum round as eager's float32 ops do: no FMA.
+                options = {"enable_fp_fusion": False} if name.startswith("rope") else {}
+                compiled = triton.compile(source, target=target, options=options)
                 assert compiled.asm["cubin"], "no binary"
+                if name.startswith("rope"):
+                    assert "fma." not in compiled.asm["ptx"], name
                 # Scalar offsets (a row's or a sample's start) are int64, unless a constant;
                 # tensor offsets may be int32 only for columns within a row (< BLOCK).
                 for offset, kind in re.findall(r"tt\.addptr %\w+, (%\w+) : [^,]+, (\S+)",
                                                compiled.asm["ttir"]):
-                    column = kind.startswith("tensor") and name.startswith("norm")
+                    column = kind.startswith("tensor") and name.startswith(("norm", "rope"))
                     assert "i64" in kind or column or re.fullmatch(r"%c\d+_i32", offset), (
                         name, offset, kind)
                 print(f"{name} {dtype} sm_{target.arch}: ok", flush=True)

@@ -26,8 +26,8 @@ def test_lean_rules_come_last_in_joined_presets():
     """llm's default for Linear layers yields to any other preset's Linear rule."""
     policy = P.load("llm+actnn2")
     assert [(r.target, r.apply) for r in policy.rules] == [
-        ("norm", "msnorm"), ("glu", "msglu"), ("head", "fused_ce"), ("linear", "actnn"),
-        ("conv2d", "actnn"), ("linear", "lean")]
+        ("norm", "msnorm"), ("glu", "msglu"), ("attention", "rope"), ("head", "fused_ce"),
+        ("linear", "actnn"), ("conv2d", "actnn"), ("linear", "lean")]
     assert P.load("llm").rules[-1].apply == "lean"
 
 
@@ -74,7 +74,7 @@ def test_inline_spec_and_table_names(make_spec):
     ({"rules": [], "extra": 1}, "unknown key 'extra'"),
     ({"format": "other/1", "rules": []}, "format must be"),
     ({"rules": {}}, "'rules' must be a list"),
-    ({"rules": [{"target": "attention", "apply": "keep"}]}, "target must be one of"),
+    ({"rules": [{"target": "embedding", "apply": "keep"}]}, "target must be one of"),
     ({"rules": [{"target": "linear", "apply": "quantize"}]}, "apply must be one of"),
     ({"rules": [{"target": "linear", "apply": "fewbit"}]}, "does not apply to 'linear'"),
     ({"rules": [{"target": "linear", "apply": "actnn", "bitz": 2}]}, "unknown key 'bitz'"),

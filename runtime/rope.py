@@ -1,0 +1,173 @@
+"""Rotary embedding without float32 temporaries under autocast.
+
+Where the memory goes. In eager transformers, `apply_rotary_pos_emb(q, k, cos, sin)` computes
+q·cos + rotate_half(q)·sin. Autograd keeps only cos and sin (they need no gradient), so no
+saved bytes come from it; the cost is transient. Under autocast with float32 weights, cos and
+sin are float32, so for every element of q and k the forward makes rotate_half(q) (2 bytes in
+bf16), q·cos, rotate_half(q)·sin and their sum (4 bytes each), then attention's autocast
+casts the sum to bf16 (2 more); the backward makes the same in reverse. Per layer that is
+up to 12 bytes per element of q and k alive at once (the two float32 products and their
+sum); in the backward they add to everything the later layers still keep.
+
+`rotary(q, k, cos, sin)`, on CUDA, computes both in one kernel per tensor: float32 math in
+registers, the result written once, in the autocast dtype (what attention casts it to, so the
+values attention sees are eager's, bit for bit). The backward is its adjoint, from cos and sin:
+
+    dq = g·cos + rotate_halfᵀ(g·sin),   rotate_halfᵀ([a, b]) = [b, -a]
+
+Elsewhere (CPU, other dtypes, other shapes, torch.compile, which fuses the eager ops itself)
+it runs eager's own ops.
+
+`attach_rotary(attention)` makes one attention module use it, generically: the module's
+forward must call `apply_rotary_pos_emb` from its modeling file, and that function must compute
+the standard rotation (checked on a probe, bit for bit). The module gets its own copy of the
+forward (and of the decorators around it) whose global `apply_rotary_pos_emb` is ours; the
+modeling file, its other models and other instances are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+
+import torch
+from torch import nn
+
+from actdesign.codegen.render import render_rope
+from actdesign.errors import ActdesignError
+
+from .cache import generated
+from .targets import ROTARY as NAME
+from .targets import rotary_function_of
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _reference(q, k, cos, sin, unsqueeze_dim=1):
+    """Eager transformers' rotation, op for op."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
+def rope_ops():
+    """The generated rotary module (Triton kernels), imported once."""
+    return generated(render_rope)
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, out_dtype):
+        ctx.save_for_backward(cos, sin)  # the model's own tensors, shared by every layer
+        ctx.dtypes = (q.dtype, k.dtype)
+        return tuple(rope_ops().rotate(t, cos, sin, out_dtype) for t in (q, k))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        return *(rope_ops().rotate(g.contiguous() if g.stride(-1) != 1 else g, cos, sin,
+                                   dtype, backward=True)
+                 for g, dtype in zip((dq, dk), ctx.dtypes, strict=True)), None, None, None
+
+
+def rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """(q, k) rotated as transformers' apply_rotary_pos_emb does: in one kernel each where it
+    pays (CUDA under autocast, cos and sin float32), else eager's own ops."""
+    device = q.device.type
+    ops = rope_ops()
+    if torch.compiler.is_compiling() or unsqueeze_dim != 1 \
+            or not torch.is_autocast_enabled(device) or ops._backend(q) != "triton" \
+            or not (q.dtype == k.dtype and cos.dtype == sin.dtype == torch.float32
+                    and cos.shape == sin.shape and ops.fits(q, cos) and ops.fits(k, cos)):
+        return _reference(q, k, cos, sin, unsqueeze_dim)
+    return _Rotary.apply(q, k, cos, sin, torch.get_autocast_dtype(device))
+
+
+def _replacement_for(original):
+    """Our rotation behind the original's signature; anything beyond (q, k, cos, sin,
+    unsqueeze_dim), such as position_ids, goes to the original."""
+    signature = inspect.signature(original)
+
+    def apply_rotary_pos_emb(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()  # the original's own default unsqueeze_dim
+        a = bound.arguments
+        if any(v is not None for k, v in a.items()
+               if k not in ("q", "k", "cos", "sin", "unsqueeze_dim")) \
+                or not {"q", "k", "cos", "sin"} <= a.keys():
+            return original(*args, **kwargs)
+        return rotary(a["q"], a["k"], a["cos"], a["sin"], a.get("unsqueeze_dim", 1))
+
+    return apply_rotary_pos_emb
+
+
+def _probe(original) -> bool:
+    """Whether the original computes the standard rotation: the same values as ours, bit for
+    bit, on random float32 inputs."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(2))
+    cos, sin = (torch.randn(2, 5, 8, generator=gen) for _ in range(2))
+    try:
+        with torch.no_grad():
+            got = original(q, k, cos, sin)
+    except Exception:  # noqa: BLE001  (any failure means: not the function we know)
+        return False
+    want = _reference(q, k, cos, sin)
+    return isinstance(got, tuple) and len(got) == 2 and all(
+        isinstance(g, torch.Tensor) and g.shape == w.shape and torch.equal(g, w)
+        for g, w in zip(got, want, strict=True))
+
+
+def _with_global(fn, name, value):
+    """A copy of fn, and of the functools.wraps decorators around it, whose innermost
+    function finds `value` as the global `name`; its other globals are the module's (a
+    snapshot of its namespace)."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        scope = dict(fn.__globals__)
+        scope[name] = value
+        new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
+                                 fn.__closure__)
+    else:
+        cells = fn.__closure__ or ()
+        holding = [i for i, c in enumerate(cells) if _contents(c) is inner]
+        if len(holding) != 1:
+            raise ActdesignError("its forward is wrapped by a decorator that does not keep "
+                                 "the function it wraps in its closure")
+        replaced = _with_global(inner, name, value)
+        closure = tuple(types.CellType(replaced) if i == holding[0] else c
+                        for i, c in enumerate(cells))
+        new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                                 closure)
+        new.__wrapped__ = replaced
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    new.__doc__ = fn.__doc__
+    return new
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def attach_rotary(attention: nn.Module) -> None:
+    """Make this attention module rotate q and k with `rotary`. Refused, with nothing
+    changed, when its forward does not call a standard apply_rotary_pos_emb."""
+    original = rotary_function_of(attention)
+    if original is None:
+        raise ActdesignError(f"its forward does not call {NAME} from its modeling file")
+    if not _probe(original):
+        raise ActdesignError(f"its {NAME} is not the standard rotation (rotate_half of the "
+                             "two halves), checked on a probe")
+    if "forward" in attention.__dict__:
+        raise ActdesignError("its forward is already replaced on the instance")
+    forward = _with_global(type(attention).forward, NAME, _replacement_for(original))
+    # A partial, not a bound method: a deep copy of the model binds the copy.
+    attention.forward = functools.partial(forward, attention)
