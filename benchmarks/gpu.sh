@@ -6,17 +6,23 @@
 #   2. runtime.py: few-bit kernels (GELU, 1-4 and 8 bits, bf16/fp32/fp16, 2^16..2^27) as a
 #      share of the copy bandwidth, the small-tensor cost per call, MS norms against torch's;
 #   3. llm_memory.py: peak and step time of llama, gpt2 and qwen2 at 16 x 1024 tokens in bf16
-#      autocast: baseline, checkpointing, our presets, Liger-Kernel when installed.
-# Each stage has its own time limit, so one slow stage cannot hide the others' results.
-# Usage, from the repository root: bash benchmarks/gpu.sh [OUTDIR]   (default: $OUT or out)
+#      autocast: baseline, checkpointing, our presets, Liger-Kernel when installed; and what
+#      is allocated at each setup's peak (why ours + checkpointing peaked above checkpointing).
+# Each stage has its own time limit, so one slow stage cannot hide the others' results; where
+# one command may run 10 minutes at most, run the stages in two calls.
+# Usage, from the repository root:
+#   bash benchmarks/gpu.sh [OUTDIR [STAGES]]   (OUTDIR: $OUT or out; STAGES: comma-separated,
+#                                               default gpu_check,runtime,llm_memory)
 set -u
 out=${1:-${OUT:-out}}
+stages=,${2:-gpu_check,runtime,llm_memory},
 mkdir -p "$out"
 python -m pip install --quiet --no-deps --no-build-isolation . || exit 2
 status=0
 stage() {  # stage NAME SECONDS COMMAND...: output to OUTDIR/NAME.txt and to the console
     local name=$1 limit=$2
     shift 2
+    [[ $stages == *,$name,* ]] || return 0
     echo "== $name"
     timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
     local rc=${PIPESTATUS[0]}
@@ -24,6 +30,6 @@ stage() {  # stage NAME SECONDS COMMAND...: output to OUTDIR/NAME.txt and to the
 }
 stage gpu_check 240 python benchmarks/gpu_check.py --device cuda
 stage runtime 150 python benchmarks/runtime.py --device cuda --acts gelu --markdown
-stage llm_memory 150 python benchmarks/llm_memory.py --device cuda --batch 16 --seq 1024 \
+stage llm_memory 180 python benchmarks/llm_memory.py --device cuda --batch 16 --seq 1024 --at-peak \
     --repeats 5 --markdown
 exit $status

@@ -21,6 +21,7 @@ from actdesign import runtime, spec
 from actdesign.designer import fit_stepwise
 
 sys.path.insert(0, str(Path(__file__).parent))
+from measure import at_peak  # noqa: E402
 from transformer_block import Block, saved_bytes  # noqa: E402
 
 
@@ -180,36 +181,7 @@ def block_memory(device, ops):
             saved = saved_bytes(model, x) / 2**20
         print(f"{name}: saved {saved:.1f} MiB, peak {peak:.1f} MiB, step {ms:.2f} ms")
         if device == "cuda":
-            at_peak(step)
-
-
-def at_peak(step, top=6):
-    """What is allocated when one step peaks: the CUDA allocator's history of the step
-    replayed; the largest blocks then, each with the frame that allocated it (the first one
-    outside torch itself)."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
-    step()
-    torch.cuda.synchronize()
-    events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-    torch.cuda.memory._record_memory_history(enabled=None)
-    live, total, peak, at = {}, 0, 0, {}
-    for e in events:
-        if e["action"] == "alloc":
-            live[e["addr"]] = e
-            total += e["size"]
-        elif e["action"] == "free_completed" and e["addr"] in live:
-            total -= live.pop(e["addr"])["size"]
-        if total > peak:
-            peak, at = total, dict(live)
-    print(f"  peak {(before + peak) / 2**20:.1f} MiB: {before / 2**20:.1f} allocated before the "
-          f"step, {peak / 2**20:.1f} during it; largest blocks then:")
-    for e in sorted(at.values(), key=lambda e: -e["size"])[:top]:
-        frames = e.get("frames") or [{}]
-        where = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0])
-        print(f"    {e['size'] / 2**20:8.1f} MiB  {where.get('name', '?')} "
-              f"({Path(where.get('filename', '?')).name}:{where.get('line', '?')})")
+            print("\n".join(at_peak(step)))
 
 
 def models(device):

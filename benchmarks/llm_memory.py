@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure import emulate_bf16_matmuls, float32_matmuls, table  # noqa: E402
+from measure import at_peak, emulate_bf16_matmuls, float32_matmuls, table  # noqa: E402
 
 from actdesign.runtime import account, compress, models  # noqa: E402
 from actdesign.runtime.profile import PRECISIONS, forward_context  # noqa: E402
@@ -87,9 +87,10 @@ def build(name: str, row: str, device: str):
     return model
 
 
-def measure(model, inputs, device, precision, repeats, emulate, snapshot=None):
+def measure(model, inputs, device, precision, repeats, emulate, snapshot=None, explain=None):
     """(peak bytes, median step seconds, last loss). On CUDA with `snapshot` (a path), the
-    allocator's history of the timed steps is dumped there, for pytorch.org/memory_viz."""
+    allocator's history of the timed steps is dumped there, for pytorch.org/memory_viz; with
+    `explain` (a list), lines saying what is allocated at one more step's peak are added."""
     cuda = device.startswith("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
@@ -123,6 +124,8 @@ def measure(model, inputs, device, precision, repeats, emulate, snapshot=None):
             if snapshot:
                 torch.cuda.memory._dump_snapshot(snapshot)
                 torch.cuda.memory._record_memory_history(enabled=None)
+            if explain is not None:
+                explain.extend(at_peak(step))
         else:
             with LargestTemporary(model) as largest:
                 saved, out = account(model, loss_fn)
@@ -144,6 +147,9 @@ def main():
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-autocast")
     parser.add_argument("--native-cpu-bf16", action="store_true")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--at-peak", action="store_true",
+                        help="CUDA: after each model's table, the largest blocks allocated at "
+                        "each row's peak, with the code that allocated them")
     parser.add_argument("--snapshot", metavar="DIR",
                         help="CUDA: dump each row's allocator history to DIR/<model>_<row>.pickle")
     args = parser.parse_args()
@@ -159,7 +165,7 @@ def main():
         print(f"\n{name}")
         row = table(["setup", "peak MiB", "peak ratio", "step ms", "time ratio", "last loss"],
                     args.markdown, width=12, first=22)
-        base = None
+        base, explained = None, []
         for setup in args.rows:
             model = build(name, setup, args.device)
             if model is None:
@@ -169,14 +175,19 @@ def main():
             if args.snapshot and cuda:
                 Path(args.snapshot).mkdir(parents=True, exist_ok=True)
                 snapshot = str(Path(args.snapshot) / f"{name}_{setup}.pickle")
+            explain = [] if args.at_peak and cuda else None
             peak, seconds, loss = measure(model, inputs, args.device, args.precision,
-                                          args.repeats, emulate, snapshot)
+                                          args.repeats, emulate, snapshot, explain)
+            if explain:
+                explained.append(f"{setup}:\n" + "\n".join(explain))
             base = base or (peak, seconds)
             row([setup, f"{peak / 2**20:,.1f}", f"{peak / base[0]:.3f}",
                  f"{seconds * 1e3:,.1f}", f"{seconds / base[1]:.2f}", f"{loss:.4f}"])
             del model
             if cuda:
                 torch.cuda.empty_cache()
+        if explained:
+            print(f"\nWhat is allocated at each setup's peak ({name}):\n" + "\n".join(explained))
 
 
 if __name__ == "__main__":

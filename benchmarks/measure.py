@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from pathlib import Path
 
 
 def median_time(fn, repeats: int, warmup: bool = False) -> tuple[float, object]:
@@ -37,6 +38,38 @@ def saved_storages(fn, *args, skip=()) -> tuple[dict, object]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args)
     return storages, out
+
+
+def at_peak(step, top=6) -> list[str]:
+    """What is allocated when one call of step() peaks on the GPU: the CUDA allocator's
+    history of the call replayed; the largest blocks then, each with the frame that allocated
+    it (the first one outside torch itself). Lines of text."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    step()
+    torch.cuda.synchronize()
+    events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at = {}, 0, 0, {}
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+        if total > peak:
+            peak, at = total, dict(live)
+    lines = [f"  peak {(before + peak) / 2**20:.1f} MiB: {before / 2**20:.1f} allocated before, "
+             f"{peak / 2**20:.1f} during the step; the largest blocks then:"]
+    for e in sorted(at.values(), key=lambda e: -e["size"])[:top]:
+        frames = e.get("frames") or [{}]
+        where = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0])
+        lines.append(f"    {e['size'] / 2**20:8.1f} MiB  {where.get('name', '?')} "
+                     f"({Path(where.get('filename', '?')).name}:{where.get('line', '?')})")
+    return lines
 
 
 def table(header: list[str], markdown: bool, width: int = 16, first: int = 0):
