@@ -138,8 +138,8 @@ def check_memory_instructions(path, ops):
         assert re.search(rf"\b{data}\.global\.v4\.b32", ptx), (name, "data not vectorized")
         tail = re.findall(rf"\b{code}\.global\.b8\b", ptx)
         words = re.findall(rf"\b{code}\.global\.b32\b", ptx)
-        # The backward's table look-ups (from 4 bits on) are word loads too: 32 per branch.
-        gathers = 64 if name == "backward" and ops.BITS >= 4 else 0
+        # The backward's level look-ups (from 2 bits on) are word loads too: 32 per branch.
+        gathers = 64 if name == "backward" and ops.BITS >= 2 else 0
         assert len(words) == ops.BITS + gathers, (name, len(words))
         assert len(tail) == 4 * ops.BITS, (name, len(tail))
         print(f"{path} bits={ops.BITS} {name} bf16 aligned sm_90: vectors and words: ok",
