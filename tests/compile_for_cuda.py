@@ -54,12 +54,12 @@ def norm_kernels(ops, dtype):
 def actnn_kernels(ops, dtype):
     yield "actnn quantize", ASTSource(ops._quantize_kernel, {
         "x_ptr": f"*{dtype}", "bits_ptr": "*i8", "offsets_ptr": "*i64", "packed_ptr": "*u8",
-        "lo_ptr": "*fp32", "range_ptr": "*fp32", "m": "i32", "groups": "i32",
-        "seed_mix": "i64", "G": "constexpr"}, constexprs={"G": 256})
+        "lo_ptr": "*fp32", "range_ptr": "*fp32", "m": "i32", "groups": "i32", "blocks": "i32",
+        "seed_mix": "i64", "G": "constexpr", "GPP": "constexpr"}, constexprs={"G": 256, "GPP": 8})
     yield "actnn dequantize", ASTSource(ops._dequantize_kernel, {
         "packed_ptr": "*u8", "bits_ptr": "*i8", "offsets_ptr": "*i64", "lo_ptr": "*fp32",
         "range_ptr": "*fp32", "out_ptr": f"*{dtype}", "m": "i32", "groups": "i32",
-        "G": "constexpr"}, constexprs={"G": 256})
+        "blocks": "i32", "G": "constexpr", "GPP": "constexpr"}, constexprs={"G": 256, "GPP": 8})
 
 
 def glu_kernels(ops, dtype):

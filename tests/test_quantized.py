@@ -11,7 +11,7 @@ from actdesign.errors import ActdesignError
 from actdesign.runtime import QConv2d, QLinear, actnn_ops
 
 
-@pytest.mark.parametrize("m", [1, 7, 256, 1000])
+@pytest.mark.parametrize("m", [1, 7, 256, 1000, 5000])  # 5000: programs of 2048, the last partial
 @pytest.mark.parametrize("group", [8, 256])
 @pytest.mark.parametrize("bits", [[1, 2, 3, 4], [5, 6, 7, 8], [3, 3, 3, 3]])
 def test_kernels_match_the_torch_path(m, group, bits, monkeypatch):
