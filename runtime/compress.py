@@ -112,7 +112,7 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
             if rule.apply == "rope":  # the module stays; its forward gets our rotation
                 attach_rotary(m)
                 report.replaced.append(Change(name, type(m).__name__, "rotary embedding in "
-                                              "one kernel per tensor (no float32 temporaries)"))
+                                              "one kernel per tensor (CUDA, autocast)"))
                 continue
             new[m], what = _replacement(name, m, rule)
         except ActdesignError as exc:
