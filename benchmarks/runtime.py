@@ -150,8 +150,7 @@ def run(device, sizes, dtypes, bits_list, acts, repeats, markdown):
     print(f"\nmedian fwd+bwd ratio over {len(totals)} rows: {statistics.median(totals):.2f} "
           f"(max {max(totals):.2f})")
     small_tensors(device, markdown)
-    norms(device, dtypes[:2], [2**24 if len(sizes) < 4 else 2**27] if device == "cuda"
-          else [2**20], repeats, markdown, copy)
+    norms(device, dtypes[:2], max(sizes) if device == "cuda" else 2**20, repeats, markdown, copy)
 
 
 def per_call_us(device, fn, calls):
@@ -188,8 +187,9 @@ def fwd_bwd(measure, repeats, f, x, g):
             measure(lambda: torch.autograd.grad(y, x, g, retain_graph=True), repeats))
 
 
-def norms(device, dtypes, totals, repeats, markdown, copy):
-    """MS norms against torch's, no affine parameters: y = norm(x); dx from g."""
+def norms(device, dtypes, total, repeats, markdown, copy):
+    """MS norms against torch's, no affine parameters: y = norm(x); dx from g, on tensors of
+    `total` elements."""
     print("\nMS norms against F.layer_norm / F.rms_norm (no affine), forward and backward\n")
     ops = runtime.norm_ops()
     torch_norms = {"layer": lambda x, d: F.layer_norm(x, (d,), eps=1e-5),
@@ -202,23 +202,21 @@ def norms(device, dtypes, totals, repeats, markdown, copy):
     line = table(header, markdown, width=13)
     for kind, reference in torch_norms.items():
         for dtype in dtypes:
-            for total in totals:
-                for d in (768, 1024, 2048, 4096, 8192):
-                    x = torch.randn(total // d, d, device=device, dtype=dtype,
-                                    requires_grad=True)
-                    g = torch.randn_like(x)
-                    cells = [kind, str(dtype).replace("torch.", ""), f"{total // d} x {d}"]
-                    (tf, tb), (of, ob) = (
-                        fwd_bwd(measure, repeats, f, x, g) for f in (
-                            functools.partial(reference, d=d),
-                            functools.partial(ops.apply, kind, eps=1e-5)))
-                    cells += [f"{tf * 1e3:.3f}", f"{of * 1e3:.3f}", f"{of / tf:.2f}",
-                              f"{tb * 1e3:.3f}", f"{ob * 1e3:.3f}", f"{ob / tb:.2f}"]
-                    if copy:  # forward reads x, writes y; backward reads y and g, writes dx
-                        moved = x.nbytes
-                        cells += [f"{100 * 2 * moved / of / 1e9 / copy:.0f}%",
-                                  f"{100 * 3 * moved / ob / 1e9 / copy:.0f}%"]
-                    line(cells)
+            for d in (768, 1024, 2048, 4096, 8192):
+                x = torch.randn(total // d, d, device=device, dtype=dtype, requires_grad=True)
+                g = torch.randn_like(x)
+                cells = [kind, str(dtype).replace("torch.", ""), f"{total // d} x {d}"]
+                (tf, tb), (of, ob) = (
+                    fwd_bwd(measure, repeats, f, x, g) for f in (
+                        functools.partial(reference, d=d),
+                        functools.partial(ops.apply, kind, eps=1e-5)))
+                cells += [f"{tf * 1e3:.3f}", f"{of * 1e3:.3f}", f"{of / tf:.2f}",
+                          f"{tb * 1e3:.3f}", f"{ob * 1e3:.3f}", f"{ob / tb:.2f}"]
+                if copy:  # forward reads x, writes y; backward reads y and g, writes dx
+                    moved = x.nbytes
+                    cells += [f"{100 * 2 * moved / of / 1e9 / copy:.0f}%",
+                              f"{100 * 3 * moved / ob / 1e9 / copy:.0f}%"]
+                line(cells)
 
 
 def main():

@@ -151,7 +151,7 @@ def _unpack_terms(bits: int) -> list[list[str]]:
 def _regroup(src: int, dst: int, n_src: int, n_dst: int, name: str) -> list[list[str]]:
     """One bitstream cut two ways: piece j of `src` bits (named name0, name1, ...) sits at bit
     j*src. For each piece k of `dst` bits, the shifted source pieces that overlap it (Triton
-    expressions of uint64 tensors; the caller masks the result to `dst` bits)."""
+    expressions of unsigned integer tensors; the caller masks the result to `dst` bits)."""
     return [[_shifted(f"{name}{j}", j * src - k * dst, wrap=False) for j in range(n_src)
              if -src < j * src - k * dst < dst] for k in range(n_dst)]
 

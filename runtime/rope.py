@@ -78,11 +78,13 @@ def rotary(q, k, cos, sin, unsqueeze_dim=1):
     """(q, k) rotated as transformers' apply_rotary_pos_emb does: in one kernel each where it
     pays (CUDA under autocast, cos and sin float32), else eager's own ops."""
     device = q.device.type
-    ops = rope_ops()
     if torch.compiler.is_compiling() or unsqueeze_dim != 1 \
-            or not torch.is_autocast_enabled(device) or ops._backend(q) != "triton" \
+            or not torch.is_autocast_enabled(device) \
             or not (q.dtype == k.dtype and cos.dtype == sin.dtype == torch.float32
-                    and cos.shape == sin.shape and ops.fits(q, cos) and ops.fits(k, cos)):
+                    and cos.shape == sin.shape):
+        return _reference(q, k, cos, sin, unsqueeze_dim)
+    ops = rope_ops()  # the generated module, loaded only where the kernels may run
+    if ops._backend(q) != "triton" or not (ops.fits(q, cos) and ops.fits(k, cos)):
         return _reference(q, k, cos, sin, unsqueeze_dim)
     return _Rotary.apply(q, k, cos, sin, torch.get_autocast_dtype(device))
 

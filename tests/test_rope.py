@@ -38,6 +38,8 @@ def test_kernels_give_eagers_values_and_the_adjoint(dtype, shape, monkeypatch):
     assert qe.dtype == dtype and torch.equal(qe, want_q.to(dtype))
     assert torch.equal(ke, want_k.to(dtype))
     assert qe.stride() == q.stride()  # the layout of q: no copy for attention to undo
+    # Kept for the backward: cos and sin themselves, nothing of q or k (as eager).
+    assert [t.data_ptr() for t in qe.grad_fn.saved_tensors] == [cos.data_ptr(), sin.data_ptr()]
     # Backward against float64: half an ulp of the dtype, plus float32's rounding of the two
     # products and their sum, 3 * 2^-24 * (|g1·c| + |g2·s|) at most.
     gq, gk = torch.randn_like(qe), torch.randn_like(ke)
@@ -79,9 +81,17 @@ def built(name):
     return model, {"labels": inputs["input_ids"], **inputs}
 
 
-def step(model, inputs, autocast):
+def step(model, inputs, autocast, saved=None):
+    """One step: (loss, gradients); `saved`, a dict, gets each storage autograd keeps and its
+    size."""
+    def pack(t):
+        if saved is not None:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
     model.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = model(**inputs).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -103,8 +113,10 @@ def test_attached_attention_trains_as_eager(name, monkeypatch):
     # bf16 autocast: the kernels; the forward is eager's bit for bit, so the loss is; the
     # gradients differ by the backward's roundings only (one bf16 rounding where eager has
     # two), far below the gradients' own bf16 noise.
-    (l0, g0), (l1, g1) = step(model, inputs, True), step(ours, inputs, True)
+    kept, kept_ours = {}, {}
+    (l0, g0), (l1, g1) = step(model, inputs, True, kept), step(ours, inputs, True, kept_ours)
     assert torch.equal(l0, l1)
+    assert sum(kept_ours.values()) == sum(kept.values())  # the same bytes kept: no more
     for n in g0:
         scale = g0[n].abs().max().clamp_min(1e-30)
         assert (g1[n] - g0[n]).abs().max() <= 4 * 2.0**-8 * scale, n
