@@ -4,7 +4,8 @@
 #      the single block's peak and what is allocated at it, GPT-2 and LLaMA profiles with the
 #      cost of actnn2 on the step;
 #   2. runtime.py: few-bit kernels (GELU, 1-4 and 8 bits, bf16/fp32/fp16, 2^16..2^27) as a
-#      share of the copy bandwidth, the small-tensor cost per call, MS norms against torch's;
+#      share of the copy bandwidth, the small-tensor cost per call, MS norms against torch's,
+#      MS-GLU, the rotation and the fused loss against eager (and Liger's loss, if installed);
 #   3. llm_memory.py: peak and step time of llama, gpt2 and qwen2 at 16 x 1024 tokens in bf16
 #      autocast: baseline, checkpointing, our presets, Liger-Kernel when installed; and what
 #      is allocated at each setup's peak (why ours + checkpointing peaked above checkpointing).
@@ -29,7 +30,7 @@ stage() {  # stage NAME SECONDS COMMAND...: output to OUTDIR/NAME.txt and to the
     [ "$rc" -eq 0 ] || { echo "== $name: exit $rc"; status=1; }
 }
 stage gpu_check 240 python benchmarks/gpu_check.py --device cuda
-stage runtime 150 python benchmarks/runtime.py --device cuda --acts gelu --markdown
+stage runtime 210 python benchmarks/runtime.py --device cuda --acts gelu --markdown
 stage llm_memory 180 python benchmarks/llm_memory.py --device cuda --batch 16 --seq 1024 --at-peak \
     --repeats 5 --markdown
 exit $status

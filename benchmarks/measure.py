@@ -98,10 +98,11 @@ def emulate_bf16_matmuls(device: str, precision: str, native: bool = False) -> b
 
 
 def float32_matmuls(enabled: bool = True):
-    """A context in which every bfloat16 matrix product (mm, addmm, bmm, baddbmm) takes its
-    bfloat16 operands to float32, multiplies with float32 accumulation and rounds the result
-    to bfloat16 once: what a bfloat16 GEMM with float32 accumulation computes (GPUs, recent
-    CPUs), to summation order. Step times under it are not those of native kernels."""
+    """A context in which every bfloat16 matrix product (mm, addmm, bmm, baddbmm; mm into
+    `out`) takes its bfloat16 operands to float32, multiplies with float32 accumulation and
+    rounds the result to bfloat16 once: what a bfloat16 GEMM with float32 accumulation
+    computes (GPUs, recent CPUs), to summation order. Step times under it are not those of
+    native kernels."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -119,6 +120,8 @@ def float32_matmuls(enabled: bool = True):
             if func in matmuls and any(bf16(a) for a in args):
                 wide = [a.float() if bf16(a) else a for a in args]
                 return func(*wide, **kwargs).to(torch.bfloat16)
+            if func is aten.mm.out and bf16(kwargs["out"]):
+                return kwargs["out"].copy_(self.__torch_dispatch__(aten.mm.default, types, args))
             return func(*args, **kwargs)
 
     return Float32Matmuls()

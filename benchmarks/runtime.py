@@ -11,10 +11,15 @@
    forward + backward calls, ours and torch's: the host's cost per call.
 3. MS norms (forward, backward) against F.layer_norm / F.rms_norm without affine parameters,
    for d = 768 to 8192; 2^27 elements on CUDA (--quick: 2^24), 2^20 on CPU.
+4. The LLM ops in bf16 against the eager code they replace: MS-GLU's elementwise forward and
+   backward against silu(g) * u with autograd; the rotary kernels against eager's rotation
+   under autocast (CUDA only: elsewhere eager's ops run); the fused linear cross-entropy
+   (forward + backward, with its peak above the inputs) against logits + F.cross_entropy, its
+   own torch path and, when installed on CUDA, Liger-Kernel's.
 
 Goals on CUDA (bf16 and fp32, 2^24 to 2^27 elements): few-bit forward <= 1.10x torch,
 backward <= 0.85x, at >= 75% of the copy bandwidth; small-tensor forward + backward within
-30 us of torch's; MS norms <= 1.0x torch.
+30 us of torch's; MS norms <= 1.0x torch; the LLM ops at the same standard.
 
 Run: .venv/bin/python benchmarks/runtime.py [--quick] [--markdown] [--device cpu|cuda|all]
          [--acts gelu,silu,tanh] [--bits 1,2,3,4,8]
@@ -31,10 +36,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-from measure import median_time, saved_storages, table
+from measure import emulate_bf16_matmuls, float32_matmuls, median_time, saved_storages, table
 
 from actdesign import runtime, spec
 from actdesign.designer import fit_stepwise
+from actdesign.runtime.glu import glu_ops
+from actdesign.runtime.lm_loss import fused_linear_cross_entropy
+from actdesign.runtime.rope import _reference, rotary
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh}
 BITS = (1, 2, 3, 4, 8)
@@ -151,6 +159,7 @@ def run(device, sizes, dtypes, bits_list, acts, repeats, markdown):
           f"(max {max(totals):.2f})")
     small_tensors(device, markdown)
     norms(device, dtypes[:2], max(sizes) if device == "cuda" else 2**20, repeats, markdown, copy)
+    llm_ops(device, max(sizes) if device == "cuda" else 2**20, repeats, markdown, copy)
 
 
 def per_call_us(device, fn, calls):
@@ -217,6 +226,126 @@ def norms(device, dtypes, total, repeats, markdown, copy):
                     cells += [f"{100 * 2 * moved / of / 1e9 / copy:.0f}%",
                               f"{100 * 3 * moved / ob / 1e9 / copy:.0f}%"]
                 line(cells)
+
+
+def llm_ops(device, n, repeats, markdown, copy):
+    """MS-GLU, the rotation and the fused loss in bf16 against the eager code they replace."""
+    print("\nLLM ops, bf16: ours against the eager computation it replaces\n")
+    measure = timer(device)
+    header = ["op", "shape", "eager fwd ms", "ours fwd ms", "fwd ratio", "eager bwd ms",
+              "ours bwd ms", "bwd ratio"] + (["fwd % copy", "bwd % copy"] if copy else [])
+    line = table(header, markdown, width=13, first=16)
+
+    def row(name, shape, eager, ours, moved_fwd, moved_bwd):
+        (ef, eb), (of, ob) = eager, ours
+        cells = [name, shape, f"{ef * 1e3:.3f}", f"{of * 1e3:.3f}", f"{of / ef:.2f}",
+                 f"{eb * 1e3:.3f}", f"{ob * 1e3:.3f}", f"{ob / eb:.2f}"]
+        if copy:
+            cells += [f"{100 * moved_fwd / of / 1e9 / copy:.0f}%",
+                      f"{100 * moved_bwd / ob / 1e9 / copy:.0f}%"]
+        line(cells)
+
+    glu_row(device, n, measure, repeats, row)
+    if device == "cuda":
+        rope_row(measure, repeats, row)
+    loss_rows(device, measure, repeats, markdown)
+
+
+def glu_row(device, n, measure, repeats, row):
+    """MS-GLU's elementwise half (SiLU) against eager's silu(g) * u and its autograd."""
+    glu = glu_ops()
+    g, u, dh = (torch.randn(n, device=device, dtype=torch.bfloat16) for _ in range(3))
+    leaves = [t.clone().requires_grad_() for t in (g, u)]
+    h = F.silu(leaves[0]) * leaves[1]
+    eager = (measure(lambda: F.silu(g) * u, repeats),
+             measure(lambda: torch.autograd.grad(h, leaves, dh, retain_graph=True), repeats))
+    ours = (measure(lambda: glu.forward(g, u, "silu"), repeats),
+            measure(lambda: glu.backward(g, u, dh, "silu"), repeats))
+    # forward reads g, u and writes h; backward reads g, u, dh and writes dg, du and h
+    row("MS-GLU silu", f"2^{n.bit_length() - 1}", eager, ours, 3 * g.nbytes, 6 * g.nbytes)
+
+
+def rope_row(measure, repeats, row, batch=16, seq=1024, heads=12, dim=64):
+    """q and k as attention makes them, float32 cos/sin; eager casts the rotation to bf16."""
+    q, k = (torch.randn(batch, seq, heads, dim, device="cuda").transpose(1, 2).bfloat16()
+            .requires_grad_() for _ in range(2))
+    cos, sin = (torch.randn(batch, seq, dim, device="cuda") for _ in range(2))
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    times = []
+    for fn in (lambda: [t.bfloat16() for t in _reference(q, k, cos, sin)],
+               lambda: rotary(q, k, cos, sin)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn()
+            fwd = measure(fn, repeats)
+        bwd = measure(lambda out=out: torch.autograd.grad(out, (q, k), (gq, gk),
+                                                          retain_graph=True), repeats)
+        times.append((fwd, bwd))
+    moved = 2 * 2 * q.nbytes  # q and k read and written once, bf16; cos and sin are small
+    row("RoPE q, k", f"{batch}x{heads}x{seq}x{dim}", *times, moved, moved)
+
+
+def loss_rows(device, measure, repeats, markdown):
+    """The fused linear cross-entropy, bf16 hidden states and weight, forward + backward."""
+    tokens, d, vocab = (16384, 768, 32000) if device == "cuda" else (2048, 256, 8000)
+    print(f"\nLinear cross-entropy, {tokens} tokens x d = {d} x vocabulary {vocab}, bf16, "
+          "forward + backward\n")
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(tokens, d, device=device, dtype=torch.bfloat16, generator=gen)
+    weight = (torch.randn(vocab, d, device=device, generator=gen) / d**0.5).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+    setups = {"eager (logits, float32 CE)": lambda h, w: F.cross_entropy((h @ w.T).float(),
+                                                                         targets),
+              "ours": lambda h, w: fused_linear_cross_entropy(h, w, shift_labels=targets)}
+    if device == "cuda":  # elsewhere ours is the torch path
+        setups["ours, torch path"] = lambda h, w: _with_backend("torch", h, w, targets)
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+            liger = LigerFusedLinearCrossEntropyLoss()
+            setups["Liger-Kernel"] = lambda h, w: liger(w, h, targets)
+        except ImportError:
+            pass
+    line = table(["setup", "fwd+bwd ms", "time ratio", "peak MiB", "loss"], markdown,
+                 width=12, first=28)
+    base = None
+    for name, fn in setups.items():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+        def step(fn=fn, h=h, w=w):
+            return torch.autograd.grad(fn(h, w), (h, w))
+
+        try:
+            with float32_matmuls(emulate_bf16_matmuls(device, "bf16")):
+                seconds = measure(step, repeats)
+                peak = peak_mib(device, step)
+                loss = fn(h, w).item()
+        except Exception as exc:  # an optional extra that fails must not hide the others
+            print(f"{name}: failed: {type(exc).__name__}: {exc}".splitlines()[0])
+            continue
+        base = base or seconds
+        line([name, f"{seconds * 1e3:.2f}", f"{seconds / base:.2f}", peak, f"{loss:.5f}"])
+
+
+def _with_backend(backend, h, w, targets):
+    previous = os.environ.get("ACTDESIGN_BACKEND")
+    os.environ["ACTDESIGN_BACKEND"] = backend
+    try:
+        return fused_linear_cross_entropy(h, w, shift_labels=targets)
+    finally:
+        os.environ.pop("ACTDESIGN_BACKEND")
+        if previous is not None:
+            os.environ["ACTDESIGN_BACKEND"] = previous
+
+
+def peak_mib(device, fn) -> str:
+    """The CUDA allocator's peak during fn, above what was allocated before; "-" on CPU."""
+    if device != "cuda":
+        return "-"
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return f"{(torch.cuda.max_memory_allocated() - before) / 2**20:.0f}"
 
 
 def main():

@@ -85,6 +85,12 @@ def render_rope() -> str:
     return _parsed(_environment().get_template("rope_ops.py.jinja").render(version=__version__))
 
 
+def render_lm_loss() -> str:
+    """The fused linear loss's module source: its cross-entropy kernels and torch path."""
+    return _parsed(_environment().get_template("lm_loss_ops.py.jinja").render(
+        version=__version__))
+
+
 def _parsed(source_text: str) -> str:
     try:
         ast.parse(source_text)

@@ -10,6 +10,10 @@ size (tokens x vocabulary) outlives one chunk, forward or backward, and what is 
 backward is the hidden states (often the very tensor a norm already keeps), the labels and
 4 bytes per token. The price is a second logits product in the backward.
 
+A chunk's cross-entropy is one pass over its logits each way where Triton runs (CUDA): the
+kernels read the logits in the product's dtype, keep float32 in registers and write the
+gradient over the logits. Elsewhere torch's ops compute it from a float32 copy.
+
 The semantics are transformers' causal-LM loss: labels shifted by one (or `shift_labels`
 given), `ignore_index` skipped, the mean over counted tokens or the sum over
 `num_items_in_batch`. Under autocast the product runs in the autocast dtype and the
@@ -25,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actdesign.codegen.render import render_lm_loss
 from actdesign.errors import ActdesignError
 
+from .cache import generated
 from .compressed import autocast_casts
 from .targets import is_causal_lm
 
@@ -68,6 +74,11 @@ def fused_linear_cross_entropy(hidden, weight, labels=None, *, shift_labels=None
     return total / num_items_in_batch
 
 
+def loss_ops():
+    """The generated cross-entropy module (Triton kernels and torch path), imported once."""
+    return generated(render_lm_loss)
+
+
 def _chunks(tokens: int, size: int):
     for start in range(0, tokens, size):
         yield start, min(start + size, tokens)
@@ -83,38 +94,28 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, dtype):
-        w, wide = weight.to(dtype), _wide(dtype)
-        counted = targets != ignore_index
-        picked = targets.clamp(0, w.shape[0] - 1)[:, None]
+        ops, w, wide = loss_ops(), weight.to(dtype), _wide(dtype)
         lse = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
-        total = torch.zeros((), dtype=wide, device=hidden.device)
+        nll = torch.empty_like(lse)
         for a, b in _chunks(hidden.shape[0], chunk_size):
-            z = (hidden[a:b] @ w.T).to(wide)
-            lse[a:b] = torch.logsumexp(z, -1)
-            nll = lse[a:b] - z.gather(1, picked[a:b])[:, 0]
-            total += torch.where(counted[a:b], nll, 0.0).sum()
+            ops.row_losses(hidden[a:b] @ w.T, targets[a:b], ignore_index, lse[a:b], nll[a:b])
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.ignore_index, ctx.chunk_size, ctx.dtype = ignore_index, chunk_size, dtype
-        return total
+        return nll.sum()
 
     @staticmethod
     def backward(ctx, grad_total):
         hidden, weight, targets, lse = ctx.saved_tensors
-        w, wide = weight.to(ctx.dtype), _wide(ctx.dtype)
-        scale = (targets != ctx.ignore_index)[:, None] * grad_total.to(wide)
-        picked = targets.clamp(0, w.shape[0] - 1)[:, None]
-        minus_one = torch.full((hidden.shape[0], 1), -1.0, dtype=wide, device=hidden.device)
+        ops, w, wide = loss_ops(), weight.to(ctx.dtype), _wide(ctx.dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(w.shape, dtype=wide, device=w.device) \
             if ctx.needs_input_grad[1] else None
         with torch.autocast(hidden.device.type, enabled=False):
             for a, b in _chunks(hidden.shape[0], ctx.chunk_size):
-                # dz = (softmax(z) - onehot(target)) · scale, in place in z's storage
-                dz = (hidden[a:b] @ w.T).to(wide).sub_(lse[a:b, None]).exp_()
-                dz.scatter_add_(1, picked[a:b], minus_one[a:b]).mul_(scale[a:b])
-                dz = dz.to(ctx.dtype)
+                dz = ops.logits_grad_(hidden[a:b] @ w.T, targets[a:b], ctx.ignore_index,
+                                      lse[a:b], grad_total)
                 if grad_hidden is not None:
-                    grad_hidden[a:b] = dz @ w
+                    torch.mm(dz, w, out=grad_hidden[a:b])
                 if grad_weight is not None:
                     grad_weight += dz.T @ hidden[a:b]
         if grad_weight is not None:

@@ -2,7 +2,8 @@
 
 Run as a script (the test suite runs it in a fresh process, with the interpreter off):
     python tests/compile_for_cuda.py [--norms] SPEC.json [SPEC.json ...]
---norms also compiles the MS-norm, the ActNN quantization, the MS-GLU and the rotary kernels.
+--norms also compiles the MS-norm, the ActNN quantization, the MS-GLU, the rotary and the
+fused loss's kernels.
 Prints one line per compiled kernel; exits non-zero on the first failure.
 """
 
@@ -15,6 +16,7 @@ from triton.compiler import ASTSource
 
 from actdesign import runtime
 from actdesign.runtime.glu import glu_ops
+from actdesign.runtime.lm_loss import loss_ops
 from actdesign.runtime.rope import rope_ops
 
 TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
@@ -85,12 +87,37 @@ def rope_kernels(ops, dtype):
             constexprs={"BACKWARD": backward, "HEADS": 16, "COLS": 32})
 
 
+def loss_kernels(ops, dtype, aligned=False):
+    """The cross-entropy kernels; `aligned`: the logits and the vocabulary size divisible by
+    16, as Triton specializes them for most vocabularies (32000, 151936; not GPT-2's 50257)."""
+    for name, fn, last in (("forward", ops._lse_nll_kernel, "nll_ptr"),
+                           ("backward", ops._logits_grad_kernel, "grad_ptr")):
+        yield f"loss {name}", source(fn, {
+            "z_ptr": f"*{dtype}", "targets_ptr": "*i64", "lse_ptr": "*fp32", last: "*fp32",
+            "V": "i32", "stride": "i32", "ignore_index": "i32", "BLOCK": "constexpr"},
+            constexprs={"BLOCK": ops.BLOCK}, aligned=aligned)
+
+
+def check_loss_vectors(ops):
+    """On aligned logits each thread moves its 16 logits per step in 16-byte vectors: the
+    forward loads them, the backward loads them and stores their gradient."""
+    for name, src in loss_kernels(ops, "bf16", aligned=True):
+        ptx = triton.compile(src, target=TARGETS[-1], options={"num_warps": 8}).asm["ptx"]
+        assert len(re.findall(r"\bld\.global(\.\w+)*\.v4\.b32", ptx)) == 2, name
+        stores = len(re.findall(r"\bst\.global(\.\w+)*\.v4\.b32", ptx))
+        assert stores == (2 if name.endswith("backward") else 0), name
+        print(f"{name} bf16 aligned sm_90: vectors: ok", flush=True)
+
+
 def compile_norms():
     norms, actnn, glu, rope = runtime.norm_ops(), runtime.actnn_ops(), glu_ops(), rope_ops()
+    loss = loss_ops()
+    check_loss_vectors(loss)
     for target in TARGETS:
         for dtype, _ in VARIANTS[:3]:
             kernels = [*norm_kernels(norms, dtype), *actnn_kernels(actnn, dtype),
-                       *glu_kernels(glu, dtype), *rope_kernels(rope, dtype)]
+                       *glu_kernels(glu, dtype), *rope_kernels(rope, dtype),
+                       *loss_kernels(loss, dtype)]
             for name, source in kernels:
                 # The rotation's products and sum round as eager's float32 ops do: no FMA.
                 options = {"enable_fp_fusion": False} if name.startswith("rope") else {}
@@ -102,7 +129,8 @@ def compile_norms():
                 # tensor offsets may be int32 only for columns within a row (< BLOCK).
                 for offset, kind in re.findall(r"tt\.addptr %\w+, (%\w+) : [^,]+, (\S+)",
                                                compiled.asm["ttir"]):
-                    column = kind.startswith("tensor") and name.startswith(("norm", "rope"))
+                    column = kind.startswith("tensor") and name.startswith(
+                        ("norm", "rope", "loss"))
                     assert "i64" in kind or column or re.fullmatch(r"%c\d+_i32", offset), (
                         name, offset, kind)
                 print(f"{name} {dtype} sm_{target.arch}: ok", flush=True)

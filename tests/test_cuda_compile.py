@@ -1,5 +1,5 @@
-"""Tier 3: every generated kernel (few-bit ops, MS norms, ActNN quantization, MS-GLU) compiles for
-sm_80 and sm_90 without a GPU.
+"""Tier 3: every generated kernel (few-bit ops, MS norms, ActNN quantization, MS-GLU, rotary
+embedding, fused loss) compiles for sm_80 and sm_90 without a GPU.
 
 The interpreter runs Python, so it lets through what the compiler refuses (types, layouts,
 non-constexpr globals) and it never runs the libdevice branches. This compiles them for real.
@@ -40,6 +40,7 @@ def test_every_kernel_compiles_for_cuda_targets(make_spec, tmp_path):
     actnn = 2 * 3 * 2  # targets, dtypes, quantize and dequantize
     glu = 2 * 3 * 4  # targets, dtypes, kernels (silu and gelu_tanh, forward and backward)
     rope = 2 * 3 * 2  # targets, dtypes, forward and backward
+    loss = 2 * 3 * 2 + 2  # targets, dtypes, forward and backward; and their vector check
     aligned = 2  # per spec: the vector and word check of forward and backward
-    assert len(lines) == len(specs) * (2 * 4 * 2 + aligned) + norms + actnn + glu + rope
+    assert len(lines) == len(specs) * (2 * 4 * 2 + aligned) + norms + actnn + glu + rope + loss
     assert all(line.endswith(": ok") for line in lines)

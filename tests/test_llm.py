@@ -12,7 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from actdesign.errors import ActdesignError
 from actdesign.runtime import compress, models
 from actdesign.runtime.glu import MSGLU, glu_ops
-from actdesign.runtime.lm_loss import FusedLossHead, attach_fused_loss, fused_linear_cross_entropy
+from actdesign.runtime.lm_loss import (
+    FusedLossHead,
+    attach_fused_loss,
+    fused_linear_cross_entropy,
+    loss_ops,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,11 +81,13 @@ def test_shift_labels_and_every_label_ignored():
 
 @pytest.mark.parametrize("mode", ["float32", "autocast", "bf16"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fused_loss_is_as_accurate_as_eager(mode, seed):
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_fused_loss_is_as_accurate_as_eager(mode, seed, backend, monkeypatch):
     """Against the float64 loss of the same (rounded) inputs: the fused loss and gradients are
     at most twice as far from it as eager's in the same precision (two computations with the
     same roundings: the bf16 product, a float32 cross-entropy; only the order of sums and,
     for the weight gradient, per-chunk rounding differ)."""
+    monkeypatch.setenv("ACTDESIGN_BACKEND", backend)  # triton: the CUDA kernels, interpreted
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     hidden, weight, labels = problem(dtype, seed, tokens=137, d=64, vocab=1001)
     autocast = mode == "autocast"
@@ -96,6 +103,37 @@ def test_fused_loss_is_as_accurate_as_eager(mode, seed):
     for e, f, x in zip(eager, fused, exact, strict=True):
         assert f.dtype == e.dtype
         assert (f.double() - x).norm() <= 2 * (e.double() - x).norm() + 1e-7 * x.norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [301, 2 * loss_ops().BLOCK + 77])  # one block; a loop, a tail
+def test_loss_kernels_are_as_accurate_as_the_torch_path(dtype, vocab, monkeypatch):
+    """Both compute the same float32 quantities from the same logits, in another order: each
+    output is at most twice as far from float64 as the torch path's, plus one float32
+    rounding (u = 2^-24) of its size."""
+    ops, rows = loss_ops(), 9
+    g = torch.Generator().manual_seed(vocab)
+    z = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[[2, 5]] = -100
+    targets[0] = vocab - 1  # the last column, in the tail block
+    grad = torch.tensor(0.37)
+
+    def run(backend, z=z, wide=torch.float32):
+        monkeypatch.setenv("ACTDESIGN_BACKEND", backend)
+        lse, nll = torch.empty(rows, dtype=wide), torch.empty(rows, dtype=wide)
+        ops.row_losses(z, targets, -100, lse, nll)
+        return lse, nll, ops.logits_grad_(z.clone(), targets, -100, lse, grad.to(wide))
+
+    exact = run("torch", z.double(), torch.float64)
+    torch_path, kernels = run("torch"), run("triton")
+    assert kernels[2].dtype == dtype
+    assert torch.equal(kernels[1][[2, 5]], torch.zeros(2))  # ignored rows: no loss,
+    assert not kernels[2][[2, 5]].any()  # no gradient
+    for k, t, x in zip(kernels, torch_path, exact, strict=True):
+        x = x.to(dtype).double() if x.dim() == 2 else x  # the rounding to dtype is part of it
+        slack = 2**-24 * x.norm()
+        assert (k.double() - x).norm() <= 2 * (t.double() - x).norm() + slack
 
 
 class LargestTensor(TorchDispatchMode):
@@ -129,6 +167,25 @@ def test_nothing_of_size_tokens_times_vocabulary_is_kept_or_made(saved):
     with LargestTensor() as mode:
         eager_loss(h, w, labels).backward()
     assert mode.largest >= 600 * 2000 * 4
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_the_kernels_make_no_float32_copy_of_a_chunk(compiling, monkeypatch):
+    """Under autocast the kernels read and overwrite the bf16 logits of a chunk; the torch
+    path (and what torch.compile traces, fusing it itself) copies them to float32."""
+    monkeypatch.setenv("ACTDESIGN_BACKEND", "triton")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    hidden, weight, labels = problem(torch.float32, tokens=300, d=16, vocab=2000)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    with LargestTensor() as mode:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fused_linear_cross_entropy(h, w, labels, chunk_size=64)
+        loss.backward()
+    chunk = 64 * 2000  # logits per chunk
+    if compiling:
+        assert mode.largest >= chunk * 4
+    else:
+        assert mode.largest == chunk * 2
 
 
 def test_under_autocast_only_the_consumed_hidden_states_are_kept(saved):
