@@ -95,7 +95,7 @@ class _GLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g, u, weight, bias, act, dtype):
-        h = glu_ops().forward(g, u, act)
+        h = glu_ops().elementwise(g, u, act)
         y = F.linear(h.reshape(-1, h.shape[-1]), weight.to(dtype), bias)
         ctx.save_for_backward(g, u, weight)
         ctx.act, ctx.dtype, ctx.has_bias = act, dtype, bias is not None
@@ -108,7 +108,7 @@ class _GLUDown(torch.autograd.Function):
         with torch.autocast(grad.device.type, enabled=False):
             w = weight.to(ctx.dtype)
             dh = (grad2 @ w).view(g.shape)
-            dg, du, h = glu_ops().backward(g, u, dh, ctx.act)
+            dg, du, h = glu_ops().elementwise_backward(g, u, dh, ctx.act)
             grad_w = (grad2.T @ h.reshape(-1, h.shape[-1])).to(weight.dtype) \
                 if ctx.needs_input_grad[2] else None
         grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None

@@ -381,11 +381,31 @@ def test_glu_ops_opcheck_and_compile():
     torch.library.opcheck(ops.backward, (g, u, dh, "gelu_tanh"))
     eager = llama_mlp()
     ours = MSGLU.from_module(copy.deepcopy(eager))
-    compiled = torch.compile(ours, backend="aot_eager", fullgraph=False)
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
     x = torch.randn(2, 32, requires_grad=True)
     y = compiled(x)
     y.sum().backward()
     torch.testing.assert_close(y, eager(x), rtol=1e-6, atol=1e-6)
+
+
+def test_eager_ms_glu_skips_the_custom_op_dispatch(monkeypatch):
+    ops, mlp = glu_ops(), llama_mlp()
+    ours = MSGLU.from_module(copy.deepcopy(mlp))
+    x = torch.randn(2, 32, requires_grad=True)
+    y_ref = ours(x)
+    y_ref.sum().backward()
+    grads_ref = [p.grad.clone() for p in ours.parameters()]
+    ours.zero_grad()
+
+    def refuse(*args):
+        raise AssertionError("custom op called in eager mode")
+
+    monkeypatch.setattr(ops, "forward", refuse)
+    monkeypatch.setattr(ops, "backward", refuse)
+    y = ours(x)
+    y.sum().backward()
+    assert torch.equal(y, y_ref)
+    assert all(torch.equal(p.grad, r) for p, r in zip(ours.parameters(), grads_ref, strict=True))
 
 
 def test_modules_that_are_not_gated_mlps_are_refused():
