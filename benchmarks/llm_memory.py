@@ -34,7 +34,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure import at_peak, emulate_bf16_matmuls, float32_matmuls, table  # noqa: E402
+from measure import (  # noqa: E402
+    at_peak,
+    emulate_bf16_matmuls,
+    float32_matmuls,
+    live_at_peak,
+    table,
+)
 
 from actdesign.runtime import account, compress, models  # noqa: E402
 from actdesign.runtime.profile import PRECISIONS, forward_context  # noqa: E402
@@ -98,9 +104,13 @@ def measure(model, inputs, device, precision, repeats, emulate, snapshot=None, e
         with forward_context(precision, device):
             return models.loss_of(models.call(model, inputs))
 
-    def step():
+    def forward_backward():
         loss = loss_fn()
         loss.backward()
+        return loss
+
+    def step():
+        loss = forward_backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -132,6 +142,9 @@ def measure(model, inputs, device, precision, repeats, emulate, snapshot=None, e
                 out.backward()
             opt.zero_grad(set_to_none=True)
             peak = saved.total + largest.largest
+            if explain is not None:  # CUDA's fused AdamW makes no temporaries; CPU's does
+                explain.extend(live_at_peak(forward_backward)[1])
+                opt.zero_grad(set_to_none=True)
     return peak, statistics.median(times), loss.item()
 
 
@@ -148,8 +161,9 @@ def main():
     parser.add_argument("--native-cpu-bf16", action="store_true")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--at-peak", action="store_true",
-                        help="CUDA: after each model's table, the largest blocks allocated at "
-                        "each row's peak, with the code that allocated them")
+                        help="after each model's table, the largest blocks allocated at each "
+                        "row's peak, with the code that allocated them (CPU: the tensors "
+                        "alive at the peak of forward and backward, measure.live_at_peak)")
     parser.add_argument("--snapshot", metavar="DIR",
                         help="CUDA: dump each row's allocator history to DIR/<model>_<row>.pickle")
     args = parser.parse_args()
@@ -175,7 +189,7 @@ def main():
             if args.snapshot and cuda:
                 Path(args.snapshot).mkdir(parents=True, exist_ok=True)
                 snapshot = str(Path(args.snapshot) / f"{name}_{setup}.pickle")
-            explain = [] if args.at_peak and cuda else None
+            explain = [] if args.at_peak else None
             peak, seconds, loss = measure(model, inputs, args.device, args.precision,
                                           args.repeats, emulate, snapshot, explain)
             if explain:

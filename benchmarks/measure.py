@@ -72,6 +72,72 @@ def at_peak(step, top=6) -> list[str]:
     return lines
 
 
+def live_at_peak(step, top=6) -> tuple[int, list[str]]:
+    """The CPU's stand-in for at_peak, which needs the CUDA allocator: (the peak bytes of the
+    storages that aten ops create during one call of step(), lines saying what is alive then).
+
+    Every storage an op makes is counted from its creation until its last reference dies (a
+    weak reference on the storage, as torch's own MemTracker does), views and in-place
+    results once; the largest alive at the peak are listed with the op and the frame that
+    made them. What is allocated outside aten (numpy buffers of the CPU kernels, library
+    workspaces) is not seen; the CUDA paths of our ops make no such buffers. Triton's
+    interpreter (TRITON_INTERPRET=1, to follow the CUDA paths on a CPU) keeps a kernel's
+    arguments in a reference cycle, so there the collector runs before every op."""
+    import gc
+    import os
+    import traceback
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    live, refs, state = {}, {}, {"now": 0, "peak": 0, "at": {}}
+
+    def freed(key, _ref):
+        size = live.pop(key, (0,))[0]
+        refs.pop(key, None)
+        state["now"] -= size
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if interpreted:
+                gc.collect()
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                    continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in live or key in inputs or not storage.nbytes():
+                    continue  # counted already, or a view or in-place result of an input
+                where = "?"
+                if storage.nbytes() >= 2**20:  # where the large ones come from
+                    frames = [f for f in traceback.extract_stack()[:-1]
+                              if "/torch/" not in f.filename]
+                    if frames:
+                        where = f"{frames[-1].name} ({Path(frames[-1].filename).name}:" \
+                                f"{frames[-1].lineno})"
+                live[key] = (storage.nbytes(), func.__name__, where)
+                refs[key] = weakref.ref(storage, lambda ref, key=key: freed(key, ref))
+                state["now"] += storage.nbytes()
+                if state["now"] > state["peak"]:
+                    state["peak"], state["at"] = state["now"], dict(live)
+            return out
+
+    with Track():
+        step()
+    lines = [f"  peak {state['peak'] / 2**20:.1f} MiB made during the step; the largest "
+             "alive then:"]
+    for size, op, where in sorted(state["at"].values(), key=lambda e: -e[0])[:top]:
+        lines.append(f"    {size / 2**20:8.1f} MiB  {op} in {where}")
+    return state["peak"], lines
+
+
 def table(header: list[str], markdown: bool, width: int = 16, first: int = 0):
     """Print the header (and a markdown separator); return the function printing a row.
     Plain rows: the first column left-aligned in `first` characters (if set), the others

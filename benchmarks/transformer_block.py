@@ -1,5 +1,7 @@
-"""Saved-activation bytes and speed of a pre-norm transformer block (attention and a GELU
-MLP) with the activation-side methods, all measured in one run against the plain block.
+"""Saved-activation bytes, peak and speed of a pre-norm transformer block (attention and a
+GELU MLP) with the activation-side methods, all measured in one run against the plain block.
+The peak is tensor by tensor (measure.live_at_peak): the bytes a training step's tensors
+occupy at once at their most, parameters and input aside.
 
 Variants: the plain block; its GELU replaced by the 3-bit stepwise table or by the 2-bit
 piecewise-linear fit (ReGELU2-style); its LayerNorms replaced by MS-LayerNorms with the
@@ -16,7 +18,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from measure import median_time, saved_storages, table
+from measure import live_at_peak, median_time, saved_storages, table
 from torch import nn
 
 from actdesign import runtime, spec
@@ -55,6 +57,16 @@ def step_time(model, x, repeats) -> float:
     return median_time(step, repeats, warmup=True)[0]
 
 
+def step_peak(model, x) -> int:
+    """The peak bytes of the tensors one training step makes (parameters and input aside),
+    tensor by tensor (measure.live_at_peak): what a device allocator would add to them."""
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    return live_at_peak(step)[0]
+
+
 def variants(d, heads):
     gelu3 = runtime.load(spec.from_fit(fit_stepwise("gelu", 3)))
     regelu2 = runtime.load(spec.from_pwl(fit_pwl("gelu", 2)))
@@ -89,18 +101,19 @@ def main():
     tokens = batch * seq
     print(f"Block: d={d}, {heads} heads, MLP 4d, batch {batch} x {seq} tokens, float32, CPU "
           f"({os.cpu_count()} cores, torch {torch.__version__})\n")
-    header = ["variant", "saved KiB/token", "vs baseline", "saved", "fwd+bwd ms",
-              "time ratio"]
+    header = ["variant", "saved KiB/token", "vs baseline", "saved", "peak MiB", "peak ratio",
+              "fwd+bwd ms", "time ratio"]
     row = table(header, args.markdown, first=28)
-    base_bytes = base_time = None
+    base_bytes = base_peak = base_time = None
     for name, model in variants(d, heads).items():
         nbytes = saved_bytes(model, x)
+        peak = step_peak(model, x)
         seconds = step_time(model, x, repeats)
-        base_bytes = base_bytes or nbytes
+        base_bytes, base_peak = base_bytes or nbytes, base_peak or peak
         base_time = base_time or seconds
         row([name, f"{nbytes / tokens / 1024:.2f}", f"{nbytes / base_bytes:.1%}",
-                   f"{1 - nbytes / base_bytes:.1%}", f"{seconds * 1e3:.1f}",
-                   f"{seconds / base_time:.2f}"])
+             f"{1 - nbytes / base_bytes:.1%}", f"{peak / 2**20:.1f}", f"{peak / base_peak:.3f}",
+             f"{seconds * 1e3:.1f}", f"{seconds / base_time:.2f}"])
 
 
 if __name__ == "__main__":
