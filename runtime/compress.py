@@ -39,7 +39,7 @@ from .rope import attach_rotary
 from .sparse import SparseConv2d, SparseLinear
 from .tables import table
 from .targets import activation_name, target_of
-from .trace import norm_consumers
+from .trace import inputs_kept_elsewhere, norm_consumers
 
 
 @dataclass
@@ -99,9 +99,19 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
         with torch.enable_grad():
             report.before, _ = account(model, run)
     norms = {n: m for n, (m, rule) in chosen.items() if rule.apply == "msnorm"}
-    new = _fold_norms(model, norms, run, report)  # module -> its replacement
+    quantized = {m for m, rule in chosen.values() if rule.apply == "actnn"}
+    kept = inputs_kept_elsewhere(model, quantized, run) if quantized and run else set()
+    new, readers = _fold_norms(model, norms, run, report)  # module -> its replacement
     for name, (m, rule) in chosen.items():
         if rule.apply == "msnorm":
+            continue
+        if rule.apply == "actnn" and m in kept | readers and not isinstance(m, nn.Conv2d):
+            # Its input is kept anyway (by an MS norm, or by attention for its backward):
+            # codes of it would add bytes and noise, not save them. The exact layer, lean.
+            new[m] = LeanLinear.from_module(m)
+            why = "an MS norm's output" if m in readers else "kept by another op"
+            report.replaced.append(Change(name, type(m).__name__, f"LeanLinear (its input "
+                                          f"is {why}, kept anyway: no codes)"))
             continue
         try:
             if rule.apply == "fused_ce":  # the model itself: its forward computes the loss
@@ -167,9 +177,10 @@ def _with_labels(inputs):
     return {"labels": inputs["input_ids"], **inputs}
 
 
-def _fold_norms(model, norms: dict, run, report) -> dict:
-    """MS norms for the norms whose affine folds exactly; the rest are reported."""
-    new = {}
+def _fold_norms(model, norms: dict, run, report) -> tuple[dict, set]:
+    """MS norms for the norms whose affine folds exactly, and the layers that read their
+    outputs; the rest are reported."""
+    new, kept = {}, set()
     plain = {n: m for n, m in norms.items() if _affine_free(m)}
     folding = {n: m for n, m in norms.items() if n not in plain}
     if folding and run is None:
@@ -194,10 +205,11 @@ def _fold_norms(model, norms: dict, run, report) -> dict:
         except ActdesignError as exc:
             report.skipped.append((name, type(m).__name__, str(exc)))
             continue
+        kept.update(found)
         into = f", affine folded into {', '.join(names[r] for r in found)}" if found else ""
         report.replaced.append(Change(name, type(m).__name__,
                                       f"{type(new[m]).__name__}{into}"))
-    return new
+    return new, kept
 
 
 def _affine_free(norm) -> bool:

@@ -138,3 +138,36 @@ def norm_consumers(model: torch.nn.Module, norms: dict, run) -> dict:
         else:
             result[name] = probe.consumers[name]
     return result
+
+
+def inputs_kept_elsewhere(model: torch.nn.Module, candidates: set, run) -> set:
+    """The modules among `candidates` whose input autograd also keeps for something that is
+    not a candidate (attention keeping its output, which the next projection reads; a norm
+    keeping its output): a compressed copy of that input would add bytes, not replace
+    them. Found on one forward of `run()` with grad, noting who saves each storage."""
+    stack, inputs, savers = [], {}, {}
+
+    def pre(module, args, kwargs):
+        stack.append(module)
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if module in candidates and isinstance(first, torch.Tensor):
+            inputs[module] = first.untyped_storage().data_ptr()
+
+    def post(module, args, kwargs, output):
+        stack.pop()
+
+    def pack(t):
+        owner = next((m for m in reversed(stack) if m in candidates), None)
+        savers.setdefault(t.untyped_storage().data_ptr(), set()).add(owner)
+        return t
+
+    handles = [h for m in model.modules() for h in (
+        m.register_forward_pre_hook(pre, with_kwargs=True),
+        m.register_forward_hook(post, with_kwargs=True, always_call=True))]
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return {m for m, ptr in inputs.items() if None in savers.get(ptr, ())}

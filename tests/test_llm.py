@@ -434,8 +434,8 @@ def test_llm_presets_compose_and_train(name, policy):
     kinds = {c.new.split(" ")[0].rstrip(",") for c in report.replaced}
     assert "FusedLossHead" in kinds and kinds & {"MSLayerNorm", "MSRMSNorm"}
     assert ("MSGLU" in kinds) == (name == "llama-tiny")
-    if policy == "llm+actnn2":  # the attention projections are quantized, not lean
-        assert "QLinear" in kinds
+    if policy == "llm+actnn2":  # GPT-2's MLP output layer reads what nothing else keeps;
+        assert ("QLinear" in kinds) == (name == "gpt2-tiny")  # LLaMA has no such layer left
     assert compress(model, policy).replaced == []  # idempotent
     inputs = models.example_batch(model, 2, 12)
     out0, grads0 = run_model(ref, inputs)
@@ -445,6 +445,39 @@ def test_llm_presets_compose_and_train(name, policy):
     if policy == "llm":  # lossless: gradients too (the folded norms' γ and β aside)
         for n, g in grads1.items():
             torch.testing.assert_close(g, grads0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("base", ["llm", "msnorm"])
+def test_actnn_keeps_the_layers_reading_an_ms_norm_exact(name, base):
+    """An MS norm keeps its output anyway, and attention its output: ActNN codes of them would
+    add bytes. The layers reading them stay exact (lean); the others are quantized, and the
+    bytes go down."""
+    model = causal_lm(name)
+    inputs = models.example_batch(model, 4, 64)  # codes pay once a group is full (256 values)
+    plain = compress(copy.deepcopy(model), base, inputs)
+    report = compress(model, f"{base}+actnn2", inputs)
+    new = {c.name.rsplit(".", 2)[-2] + "." + c.name.rsplit(".", 1)[-1]: c.new
+           for c in report.replaced if "layers.0." in c.name or ".h.0." in c.name}
+    # The output projection reads what attention keeps for its backward (its output, whose
+    # layout makes the merged heads a view of it).
+    if name == "gpt2-tiny":
+        readers, quantized, kept = ["attn.c_attn", "mlp.c_fc"], ["mlp.c_proj"], "attn.c_proj"
+    else:  # with llm, MS-GLU holds the MLP's three layers
+        readers, quantized = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], []
+        kept = "self_attn.o_proj"
+        if base == "msnorm":
+            readers, quantized = readers + ["mlp.gate_proj", "mlp.up_proj"], \
+                quantized + ["mlp.down_proj"]
+    for layer in readers:
+        assert new[layer].startswith("LeanLinear (its input is an MS norm's output"), layer
+    for layer in quantized:
+        assert new[layer].startswith("QLinear"), layer
+    assert new[kept] == "LeanLinear (its input is kept by another op, kept anyway: no codes)"
+    if quantized:
+        assert report.after.total < plain.after.total
+    else:  # nothing left to quantize: the same layers, lean
+        assert report.after.total == plain.after.total
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # the method's newer name varies
