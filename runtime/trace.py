@@ -1,4 +1,5 @@
-"""Which layers read a norm's output: found by watching one forward pass.
+"""What one probe forward pass shows: which layers read a norm's output, and which layers'
+inputs autograd keeps for something else anyway.
 
 Folding a norm's γ and β into the layers after it is exact only if every use of the norm's
 output is the input of a Linear-like layer. One probe forward under a TorchFunctionMode sees
