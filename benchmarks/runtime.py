@@ -246,8 +246,8 @@ def llm_ops(device, n, repeats, markdown, copy):
         line(cells)
 
     glu_row(device, n, measure, repeats, row)
-    if device == "cuda":
-        rope_row(measure, repeats, row)
+    if device == "cuda":  # elsewhere the rotation is eager's own ops
+        rope_row(device, measure, repeats, row)
     loss_rows(device, measure, repeats, markdown)
 
 
@@ -265,16 +265,16 @@ def glu_row(device, n, measure, repeats, row):
     row("MS-GLU silu", f"2^{n.bit_length() - 1}", eager, ours, 3 * g.nbytes, 6 * g.nbytes)
 
 
-def rope_row(measure, repeats, row, batch=16, seq=1024, heads=12, dim=64):
+def rope_row(device, measure, repeats, row, batch=16, seq=1024, heads=12, dim=64):
     """q and k as attention makes them, float32 cos/sin; eager casts the rotation to bf16."""
-    q, k = (torch.randn(batch, seq, heads, dim, device="cuda").transpose(1, 2).bfloat16()
+    q, k = (torch.randn(batch, seq, heads, dim, device=device).transpose(1, 2).bfloat16()
             .requires_grad_() for _ in range(2))
-    cos, sin = (torch.randn(batch, seq, dim, device="cuda") for _ in range(2))
+    cos, sin = (torch.randn(batch, seq, dim, device=device) for _ in range(2))
     gq, gk = torch.randn_like(q), torch.randn_like(k)
     times = []
     for fn in (lambda: [t.bfloat16() for t in _reference(q, k, cos, sin)],
                lambda: rotary(q, k, cos, sin)):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out = fn()
             fwd = measure(fn, repeats)
         bwd = measure(lambda out=out: torch.autograd.grad(out, (q, k), (gq, gk),
