@@ -49,22 +49,19 @@ def saved_bytes(model, x) -> int:
     return sum(saved_storages(model, x, skip=model.parameters())[0].values())
 
 
-def step_time(model, x, repeats) -> float:
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
+def training_step(model, x):
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
 
-    return median_time(step, repeats, warmup=True)[0]
+
+def step_time(model, x, repeats) -> float:
+    return median_time(lambda: training_step(model, x), repeats, warmup=True)[0]
 
 
 def step_peak(model, x) -> int:
     """The peak bytes of the tensors one training step makes (parameters and input aside),
     tensor by tensor (measure.live_at_peak): what a device allocator would add to them."""
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-
-    return live_at_peak(step)[0]
+    return live_at_peak(lambda: training_step(model, x))[0]
 
 
 def variants(d, heads):

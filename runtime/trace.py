@@ -10,6 +10,8 @@ from the model, blocks the fold and says why.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -95,34 +97,45 @@ class _Probe(TorchFunctionMode):
         return name != "expand" or out.shape[-1] == args[0].shape[-1]
 
 
+@contextlib.contextmanager
+def _module_hooks(model: torch.nn.Module, pre, post):
+    """pre(module, its first input) before and post(module, its output) after every module's
+    forward, while the context is open."""
+    def before(module, args, kwargs):
+        pre(module, args[0] if args else next(iter(kwargs.values()), None))
+
+    def after(module, args, kwargs, output):
+        post(module, output)
+
+    handles = [h for m in model.modules() for h in (
+        m.register_forward_pre_hook(before, with_kwargs=True),
+        m.register_forward_hook(after, with_kwargs=True, always_call=True))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def norm_consumers(model: torch.nn.Module, norms: dict, run) -> dict:
     """{norm name: [the Linear-like modules reading its output] or a string saying why the
     fold is not exact}. `norms` maps names to modules; `run()` does one forward of `model`."""
     probe = _Probe(norms)
-    handles = []
     by_module = {m: n for n, m in norms.items()}
 
-    def pre(module, args, kwargs):
-        first = args[0] if args else next(iter(kwargs.values()), None)
+    def pre(module, first):
         probe.stack.append((module, first))
         if linear_like(module):
             probe.inputs.setdefault(module, set()).add(probe.norm_of.get(id(first)))
 
-    def post(module, args, kwargs, output):
+    def post(module, output):
         probe.stack.pop()
         if module in by_module and isinstance(output, torch.Tensor):
             probe.width[by_module[module]] = output.shape[-1]
             probe.watch(output, by_module[module])
 
-    for m in model.modules():
-        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
-    try:
-        with torch.no_grad(), probe:
-            output = run()
-    finally:
-        for h in handles:
-            h.remove()
+    with _module_hooks(model, pre, post), torch.no_grad(), probe:
+        output = run()
     for t in tree_leaves(list(output.values()) if isinstance(output, dict) else output):
         if isinstance(t, torch.Tensor) and id(t) in probe.norm_of:
             probe.blocked.setdefault(probe.norm_of[id(t)], "its output is a model output")
@@ -148,27 +161,17 @@ def inputs_kept_elsewhere(model: torch.nn.Module, candidates: set, run) -> set:
     them. Found on one forward of `run()` with grad, noting who saves each storage."""
     stack, inputs, savers = [], {}, {}
 
-    def pre(module, args, kwargs):
+    def pre(module, first):
         stack.append(module)
-        first = args[0] if args else next(iter(kwargs.values()), None)
         if module in candidates and isinstance(first, torch.Tensor):
             inputs[module] = first.untyped_storage().data_ptr()
-
-    def post(module, args, kwargs, output):
-        stack.pop()
 
     def pack(t):
         owner = next((m for m in reversed(stack) if m in candidates), None)
         savers.setdefault(t.untyped_storage().data_ptr(), set()).add(owner)
         return t
 
-    handles = [h for m in model.modules() for h in (
-        m.register_forward_pre_hook(pre, with_kwargs=True),
-        m.register_forward_hook(post, with_kwargs=True, always_call=True))]
-    try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
-    finally:
-        for h in handles:
-            h.remove()
+    with _module_hooks(model, pre, lambda module, output: stack.pop()), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
     return {m for m, ptr in inputs.items() if None in savers.get(ptr, ())}
