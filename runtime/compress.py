@@ -100,12 +100,16 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
             report.before, _ = account(model, run)
     norms = {n: m for n, (m, rule) in chosen.items() if rule.apply == "msnorm"}
     quantized = {m for m, rule in chosen.values() if rule.apply == "actnn"}
-    kept = inputs_kept_elsewhere(model, quantized, run) if quantized and run else set()
+    kept = set()
+    if run is not None and any(not isinstance(m, nn.Conv2d) for m in quantized):
+        kept = {m for m in inputs_kept_elsewhere(model, quantized, run)
+                if not isinstance(m, nn.Conv2d)}  # (there is no lean Conv2d)
     new, readers = _fold_norms(model, norms, run, report)  # module -> its replacement
+    exact = kept | readers
     for name, (m, rule) in chosen.items():
         if rule.apply == "msnorm":
             continue
-        if rule.apply == "actnn" and m in kept | readers and not isinstance(m, nn.Conv2d):
+        if rule.apply == "actnn" and m in exact:
             # Its input is kept anyway (by an MS norm, or by attention for its backward):
             # codes of it would add bytes and noise, not save them. The exact layer, lean.
             new[m] = LeanLinear.from_module(m)
