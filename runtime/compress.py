@@ -32,7 +32,7 @@ from .cache import load
 from .compressed import LeanLinear
 from .glu import MSGLU
 from .lm_loss import FusedLossHead, attach_fused_loss
-from .norms import fold_norm_affine
+from .norms import _QMSNorm, fold_norm_affine
 from .pooled import PooledConv2d
 from .quantized import QConv2d, QLinear
 from .rope import attach_rotary
@@ -99,21 +99,20 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
         with torch.enable_grad():
             report.before, _ = account(model, run)
     norms = {n: m for n, (m, rule) in chosen.items() if rule.apply == "msnorm"}
-    quantized = {m for m, rule in chosen.values() if rule.apply == "actnn"}
+    codes = _actnn_layers(chosen, policy)  # Linear -> (bits, group size); a GLU's layers too
     kept = set()
-    if run is not None and any(not isinstance(m, nn.Conv2d) for m in quantized):
-        kept = {m for m in inputs_kept_elsewhere(model, quantized, run)
-                if not isinstance(m, nn.Conv2d)}  # (there is no lean Conv2d)
-    new, readers = _fold_norms(model, norms, run, report)  # module -> its replacement
-    exact = kept | readers
+    if run is not None and codes:
+        kept = inputs_kept_elsewhere(model, set(codes), run)
+    # module -> its replacement; the readers of norms keeping their output (exact) or codes
+    new, exact, sharing = _fold_norms(model, norms, run, report, codes)
     for name, (m, rule) in chosen.items():
         if rule.apply == "msnorm":
             continue
-        if rule.apply == "actnn" and m in exact:
+        if rule.apply == "actnn" and m in kept | exact:
             # Its input is kept anyway (by an MS norm, or by attention for its backward):
             # codes of it would add bytes and noise, not save them. The exact layer, lean.
             new[m] = LeanLinear.from_module(m)
-            why = "an MS norm's output" if m in readers else "kept by another op"
+            why = "an MS norm's output" if m in exact else "kept by another op"
             report.replaced.append(Change(name, type(m).__name__, f"LeanLinear (its input "
                                           f"is {why}, kept anyway: no codes)"))
             continue
@@ -128,7 +127,7 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
                 report.replaced.append(Change(name, type(m).__name__, "rotary embedding in "
                                               "one kernel per tensor (CUDA, autocast)"))
                 continue
-            new[m], what = _replacement(name, m, rule)
+            new[m], what = _replacement(name, m, rule, codes, sharing)
         except ActdesignError as exc:
             report.skipped.append((name or "(model)", type(m).__name__, str(exc)))
             continue
@@ -152,20 +151,50 @@ def match(model, policy) -> tuple[dict, list]:
             continue
         if target == "head" and isinstance(m.get_output_embeddings(), FusedLossHead):
             continue  # fused already
-        for rule in policy.rules:
-            if rule.target == target and any(fnmatchcase(name, g) for g in rule.names) \
-                    and (not rule.types or type(m).__name__ in rule.types):
-                if rule.apply != "keep" and not name and target != "head":
-                    skipped.append(("(model)", type(m).__name__, "compress replaces "
-                                    "submodules: wrap the module in a container"))
-                elif rule.apply != "keep":
-                    chosen[name] = (m, rule)
-                    if target == "glu":
-                        glus.append(name)
-                    if target == "head":
-                        heads.add(id(m.get_output_embeddings()))
-                break
+        rule = _first_rule(policy, name, m, target)
+        if rule is None or rule.apply == "keep":
+            continue
+        if not name and target != "head":
+            skipped.append(("(model)", type(m).__name__, "compress replaces submodules: "
+                            "wrap the module in a container"))
+            continue
+        chosen[name] = (m, rule)
+        if target == "glu":
+            glus.append(name)
+        if target == "head":
+            heads.add(id(m.get_output_embeddings()))
     return chosen, skipped
+
+
+def _first_rule(policy, name, m, target):
+    """The first rule of `policy` for module `m` of kind `target` at `name`, or None."""
+    return next((rule for rule in policy.rules
+                 if rule.target == target and any(fnmatchcase(name, g) for g in rule.names)
+                 and (not rule.types or type(m).__name__ in rule.types)), None)
+
+
+def _actnn_layers(chosen, policy) -> dict:
+    """{Linear: (bits, group size)} for the Linear layers an ActNN rule claims: the chosen
+    ones, and the layers of chosen gated MLPs that a rule would claim on their own."""
+    out = {}
+    for name, (m, rule) in chosen.items():
+        if rule.apply == "actnn" and not isinstance(m, nn.Conv2d):
+            out[m] = _actnn_bits(name, rule)
+        elif rule.apply == "msglu":
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                layer, qualified = getattr(m, part), f"{name}.{part}"
+                own = _first_rule(policy, qualified, layer, "linear")
+                if own is not None and own.apply == "actnn":
+                    out[layer] = _actnn_bits(qualified, own)
+    return out
+
+
+def _actnn_bits(name, rule) -> tuple[int, int]:
+    """(bits, group size) of an ActNN rule for the layer at `name`."""
+    bits = rule.option("bits")
+    if rule.option("allocation"):
+        bits = load_bits(rule.option("allocation")).get(name, bits)
+    return bits, rule.option("group_size")
 
 
 def _probe_inputs(model, example_inputs):
@@ -181,10 +210,11 @@ def _with_labels(inputs):
     return {"labels": inputs["input_ids"], **inputs}
 
 
-def _fold_norms(model, norms: dict, run, report) -> tuple[dict, set]:
-    """MS norms for the norms whose affine folds exactly, and the layers that read their
-    outputs; the rest are reported."""
-    new, kept = {}, set()
+def _fold_norms(model, norms: dict, run, report, codes: dict) -> tuple[dict, set, set]:
+    """MS norms for the norms whose affine folds exactly, the layers reading outputs that
+    the norms keep, and those reading outputs that the norms keep as codes (when every
+    reader is an ActNN layer of one bit width, in `codes`); the rest are reported."""
+    new, exact, sharing = {}, set(), set()
     plain = {n: m for n, m in norms.items() if _affine_free(m)}
     folding = {n: m for n, m in norms.items() if n not in plain}
     if folding and run is None:
@@ -209,11 +239,19 @@ def _fold_norms(model, norms: dict, run, report) -> tuple[dict, set]:
         except ActdesignError as exc:
             report.skipped.append((name, type(m).__name__, str(exc)))
             continue
-        kept.update(found)
+        layouts = {codes.get(r) for r in found}
+        what = type(new[m]).__name__
+        if found and len(layouts) == 1 and None not in layouts:
+            bits, group_size = layouts.pop()
+            new[m] = _QMSNorm.from_norm(new[m], bits=bits, group_size=group_size)
+            what = f"{type(new[m]).__name__} ({bits}-bit codes of its output, shared with " \
+                   "the layers reading it)"
+            sharing.update(found)
+        else:
+            exact.update(found)
         into = f", affine folded into {', '.join(names[r] for r in found)}" if found else ""
-        report.replaced.append(Change(name, type(m).__name__,
-                                      f"{type(new[m]).__name__}{into}"))
-    return new, kept
+        report.replaced.append(Change(name, type(m).__name__, what + into))
+    return new, exact, sharing
 
 
 def _affine_free(norm) -> bool:
@@ -229,7 +267,10 @@ def _shared_weights(model) -> set:
     return shared
 
 
-def _replacement(name, m, rule) -> tuple[nn.Module, str]:
+def _replacement(name, m, rule, codes, sharing) -> tuple[nn.Module, str]:
+    """The module replacing `m` under `rule`, and what it is in words. `codes` and `sharing`
+    (from `_actnn_layers` and `_fold_norms`) say which Linear layers ActNN quantizes, and
+    which of them read a norm's codes."""
     opts = dict(rule.options)
     if rule.apply in ("fewbit", "pwl"):
         spec = _spec_for(m, rule.apply, opts)
@@ -239,11 +280,10 @@ def _replacement(name, m, rule) -> tuple[nn.Module, str]:
     conv = isinstance(m, nn.Conv2d)
     if rule.apply == "actnn":
         cls = QConv2d if conv else QLinear
-        bits = opts["bits"]
-        if opts["allocation"]:
-            bits = load_bits(opts["allocation"]).get(name, bits)
-        new = cls.from_module(m, bits=bits, group_size=opts["group_size"])
-        return new, f"{cls.__name__} ({bits}-bit saved input)"
+        bits, group_size = _actnn_bits(name, rule)
+        new = cls.from_module(m, bits=bits, group_size=group_size)
+        shared = ": the MS norm's codes, shared" if m in sharing else ""
+        return new, f"{cls.__name__} ({bits}-bit saved input{shared})"
     if rule.apply == "backrazor":
         cls = SparseConv2d if conv else SparseLinear
         new = cls.from_module(m, ratio=opts["ratio"], int8=opts["int8"])
@@ -255,8 +295,13 @@ def _replacement(name, m, rule) -> tuple[nn.Module, str]:
     if rule.apply == "lean":
         return LeanLinear.from_module(m), "LeanLinear (no 16-bit weight copy kept)"
     if rule.apply == "msglu":
-        new = MSGLU.from_module(m)
-        return new, f"MSGLU ({new.act}; keeps gate(x) and up(x) only)"
+        reads_codes = m.gate_proj in sharing and m.up_proj in sharing
+        new = MSGLU.from_module(m, codes=codes.get(m.down_proj),
+                                input_codes=codes[m.gate_proj] if reads_codes else None)
+        kept = "up(x)" if new.bits is None else f"{new.bits}-bit codes of up(x)"
+        inputs = f"; gate and up keep the MS norm's {new.input_codes[0]}-bit codes of x" \
+            if reads_codes else ""
+        return new, f"MSGLU ({new.act}; keeps gate(x) and {kept} only{inputs})"
     raise AssertionError(rule.apply)
 
 

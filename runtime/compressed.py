@@ -54,7 +54,7 @@ class _CompressedInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, dtype):
         y = layer.dense_forward(x, weight.to(dtype), bias)
-        ctx.save_for_backward(weight, *layer.compress(x.detach()))
+        ctx.save_for_backward(weight, *layer.compress(x))  # x itself: it may carry codes
         ctx.layer, ctx.shape, ctx.dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
         ctx.weight_dtype = dtype
         return y

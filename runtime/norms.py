@@ -16,6 +16,7 @@ from actdesign.codegen.render import render_norms
 from actdesign.errors import ActdesignError
 
 from .cache import generated
+from .quantized import _QuantizedInput
 from .targets import is_hf_conv1d, linear_like
 
 
@@ -43,6 +44,9 @@ class _MSNorm(nn.Module):
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
             else x.dtype
+        return self._normalize(x, out_dtype)
+
+    def _normalize(self, x, out_dtype):
         return norm_ops().apply(self.kind, x, self.eps, out_dtype)
 
     def extra_repr(self) -> str:
@@ -59,6 +63,62 @@ class MSRMSNorm(_MSNorm):
     """y = x / sqrt(mean(x²) + eps) over the last dimension; saves y and rstd only."""
 
     kind = "rms"
+
+
+class _QMSNorm(_QuantizedInput, _MSNorm):
+    """An MS norm keeping b-bit ActNN codes of y in place of y (lossy: ActNN policies).
+
+    The QLinear layers reading y keep the same codes for their weight gradients (see
+    `_QuantizedInput.share`), so the block keeps b bits per element of y, not 16 or 32. The
+    backward runs the MS-BP formula on the dequantized ŷ, which is unbiased. Its noise reaches
+    the input gradient through the projection term ŷ·mean(g·ŷ) only, whose size is about
+    1/sqrt(d) of the gradient's."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, bits=2, group_size=256):
+        _MSNorm.__init__(self, normalized_shape, eps)
+        self._setup(bits, group_size)
+
+    @staticmethod
+    def from_norm(norm: _MSNorm, *, bits=2, group_size=256) -> _QMSNorm:
+        """The MS norm `norm` computes, keeping b-bit codes of its output."""
+        cls = QMSLayerNorm if norm.kind == "layer" else QMSRMSNorm
+        return cls(norm.normalized_shape, norm.eps, bits=bits, group_size=group_size)
+
+    def _normalize(self, x, out_dtype):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _KeepingCodes.apply(x, self, out_dtype)
+        return super()._normalize(x, out_dtype)  # nothing to keep
+
+
+class QMSLayerNorm(_QMSNorm, MSLayerNorm):
+    """MSLayerNorm keeping b-bit codes of its output."""
+
+
+class QMSRMSNorm(_QMSNorm, MSRMSNorm):
+    """MSRMSNorm keeping b-bit codes of its output."""
+
+
+class _KeepingCodes(torch.autograd.Function):
+    """An MS norm whose backward reads rstd and the codes of y; y goes to its readers with
+    the codes attached."""
+
+    @staticmethod
+    def forward(ctx, x, norm, out_dtype):
+        forward, _ = norm_ops().IMPLS[norm.kind]
+        y, rstd = forward(x, norm.eps, out_dtype)
+        codes = norm.compress(y)
+        norm.share(y, codes)
+        ctx.save_for_backward(rstd, *codes)
+        ctx.norm, ctx.shape, ctx.dtype, ctx.input_dtype = norm, y.shape, y.dtype, x.dtype
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        rstd, *codes = ctx.saved_tensors
+        y = ctx.norm.restore(codes, ctx.shape, ctx.dtype)
+        _, backward = norm_ops().IMPLS[ctx.norm.kind]
+        return backward(y, rstd, grad_y.to(ctx.input_dtype)), None, None
 
 
 def fold_norm_affine(norm: nn.Module, linears, *, feeds_residual: bool = False) -> _MSNorm:

@@ -25,6 +25,9 @@ def actnn_ops():
     return generated(render_actnn)
 
 
+_SHARED = "_actdesign_codes"  # the attribute carrying a tensor's codes to its readers
+
+
 class _QuantizedInput:
     """What QLinear and QConv2d share: bits, group size, seeds, the codes."""
 
@@ -51,11 +54,20 @@ class _QuantizedInput:
 
     def compress(self, x):
         bits = self._sample_bits(x)
+        shared = getattr(x, _SHARED, None)
+        if shared is not None and shared[0] == self.group_size and torch.equal(shared[1][3],
+                                                                                bits):
+            return shared[1]  # the producer's codes of this very tensor: kept once
         self._calls += 1
         seed = (self._seed + 0x9E3779B9 * self._calls) & 0xFFFFFFFF
-        packed, lo, width = actnn_ops().quantize(x.reshape(x.shape[0], -1), bits, seed,
-                                                 self.group_size)
+        packed, lo, width = actnn_ops().quantize(x.detach().reshape(x.shape[0], -1), bits,
+                                                 seed, self.group_size)
         return packed, lo, width, bits
+
+    def share(self, x, codes):
+        """Offer `codes` of x (from `compress`) to the layers that read x: a QLinear with the
+        same bits and group size keeps these, instead of making its own."""
+        setattr(x, _SHARED, (self.group_size, codes))
 
     def restore(self, saved, shape, dtype):
         packed, lo, width, bits = saved

@@ -7,11 +7,11 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime import (
-    LeanLinear,
     MSLayerNorm,
     PooledConv2d,
     QConv2d,
     QLinear,
+    QMSLayerNorm,
     SparseLinear,
     account,
     compress,
@@ -52,10 +52,11 @@ def test_fewbit_msnorm_actnn_replace_and_keep_the_forward():
     weights = {id(p) for p in model.parameters() if p.dim() == 2}
     report = compress(model, "fewbit3+msnorm+actnn2", example_inputs=(x,))
     assert {c.name for c in report.replaced} == {"norm", "up", "act", "down", "final", "head"}
-    assert isinstance(model.norm, MSLayerNorm) and isinstance(model.final, MSLayerNorm)
-    # up and head read an MS norm's output, which the norm keeps: codes would add bytes
-    assert type(model.up) is LeanLinear and type(model.head) is LeanLinear
-    assert isinstance(model.down, QLinear) and model.down.bits == 2
+    # Every reader of each norm is quantized, so the norm keeps codes of its output in place
+    # of the output, and its readers keep those codes.
+    assert type(model.norm) is QMSLayerNorm and type(model.final) is QMSLayerNorm
+    assert model.norm.bits == model.final.bits == 2
+    assert all(type(m) is QLinear and m.bits == 2 for m in (model.up, model.down, model.head))
     assert type(model.act).__module__.startswith("actdesign_ops_")
     assert weights == {id(p) for p in model.parameters() if p.dim() == 2}  # kept, not copied
     # The fold and the few-bit forward are exact up to float64 rounding.

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import compress, models
+from actdesign.runtime import LeanLinear, MSRMSNorm, compress, models
 from actdesign.runtime.glu import MSGLU, glu_ops
 from actdesign.runtime.lm_loss import (
     FusedLossHead,
@@ -432,10 +432,11 @@ def test_llm_presets_compose_and_train(name, policy):
     ref = copy.deepcopy(model)
     report = compress(model, policy)
     kinds = {c.new.split(" ")[0].rstrip(",") for c in report.replaced}
-    assert "FusedLossHead" in kinds and kinds & {"MSLayerNorm", "MSRMSNorm"}
+    assert "FusedLossHead" in kinds and kinds & {"MSLayerNorm", "MSRMSNorm", "QMSLayerNorm",
+                                                 "QMSRMSNorm"}
     assert ("MSGLU" in kinds) == (name == "llama-tiny")
-    if policy == "llm+actnn2":  # GPT-2's MLP output layer reads what nothing else keeps;
-        assert ("QLinear" in kinds) == (name == "gpt2-tiny")  # LLaMA has no such layer left
+    if policy == "llm+actnn2":  # the norms keep codes, which the layers reading them share
+        assert "QLinear" in kinds and kinds & {"QMSLayerNorm", "QMSRMSNorm"}
     assert compress(model, policy).replaced == []  # idempotent
     inputs = models.example_batch(model, 2, 12)
     out0, grads0 = run_model(ref, inputs)
@@ -449,10 +450,10 @@ def test_llm_presets_compose_and_train(name, policy):
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
 @pytest.mark.parametrize("base", ["llm", "msnorm"])
-def test_actnn_keeps_the_layers_reading_an_ms_norm_exact(name, base):
-    """An MS norm keeps its output anyway, and attention its output: ActNN codes of them would
-    add bytes. The layers reading them stay exact (lean); the others are quantized, and the
-    bytes go down."""
+def test_actnn_layers_reading_an_ms_norm_share_its_codes(name, base):
+    """When ActNN quantizes every layer reading an MS norm, the norm keeps codes of its output
+    in place of the output and those layers keep the same codes. A layer reading what
+    attention keeps stays exact (lean): codes would add bytes. The bytes go down."""
     model = causal_lm(name)
     inputs = models.example_batch(model, 4, 64)  # codes pay once a group is full (256 values)
     plain = compress(copy.deepcopy(model), base, inputs)
@@ -463,21 +464,41 @@ def test_actnn_keeps_the_layers_reading_an_ms_norm_exact(name, base):
     # layout makes the merged heads a view of it).
     if name == "gpt2-tiny":
         readers, quantized, kept = ["attn.c_attn", "mlp.c_fc"], ["mlp.c_proj"], "attn.c_proj"
-    else:  # with llm, MS-GLU holds the MLP's three layers
+        norms = ["0.ln_1", "0.ln_2"]
+    else:
         readers, quantized = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], []
-        kept = "self_attn.o_proj"
+        kept, norms = "self_attn.o_proj", ["0.input_layernorm", "0.post_attention_layernorm"]
         if base == "msnorm":
             readers, quantized = readers + ["mlp.gate_proj", "mlp.up_proj"], \
                 quantized + ["mlp.down_proj"]
+        else:  # MS-GLU holds the MLP's layers: gate and up share the codes, u is coded
+            assert new["0.mlp"] == ("MSGLU (silu; keeps gate(x) and 2-bit codes of up(x) "
+                                           "only; gate and up keep the MS norm's 2-bit codes "
+                                           "of x)")
     for layer in readers:
-        assert new[layer].startswith("LeanLinear (its input is an MS norm's output"), layer
+        assert new[layer] == "QLinear (2-bit saved input: the MS norm's codes, shared)", layer
     for layer in quantized:
-        assert new[layer].startswith("QLinear"), layer
+        assert new[layer] == "QLinear (2-bit saved input)", layer
+    for norm in norms:
+        assert "2-bit codes of its output, shared with the layers reading it" in new[norm]
     assert new[kept] == "LeanLinear (its input is kept by another op, kept anyway: no codes)"
-    if quantized:
-        assert report.after.total < plain.after.total
-    else:  # nothing left to quantize: the same layers, lean
-        assert report.after.total == plain.after.total
+    assert report.after.total < plain.after.total
+
+
+def test_an_ms_norm_keeps_its_output_when_a_reader_is_exact():
+    """ActNN on q_proj only: k and v read the norm's output exactly, so the norm keeps it,
+    and q_proj, whose input is then kept anyway, stays exact too."""
+    model = causal_lm("llama-tiny")
+    policy = {"format": "actdesign.policy/1",
+              "rules": [{"target": "norm", "apply": "msnorm"},
+                        {"target": "linear", "apply": "actnn", "name": "*.q_proj"}]}
+    report = compress(model, policy, models.example_batch(model, 2, 16))
+    layer = model.model.layers[0]
+    assert type(layer.input_layernorm) is MSRMSNorm
+    assert type(layer.self_attn.q_proj) is LeanLinear
+    what = {c.name: c.new for c in report.replaced}
+    assert what["model.layers.0.self_attn.q_proj"] == \
+        "LeanLinear (its input is an MS norm's output, kept anyway: no codes)"
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # the method's newer name varies

@@ -1,0 +1,190 @@
+"""ActNN codes shared along a block: an MS norm keeping b-bit codes of its output, which the
+QLinear layers reading it keep too, and MS-GLU keeping codes of up(x).
+
+The forwards are exact. Each backward must be the exact backward run on the dequantized copy
+it restored (recorded from `restore`), bit for bit: the codes are the only loss. The codes'
+own error and unbiasedness are tested in test_quantized.py; here, that the copy is made once
+for the whole block, and that the gradients built from it stay unbiased where the method says
+so.
+"""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from actdesign.runtime import MSLayerNorm, MSRMSNorm, QLinear, QMSLayerNorm, QMSRMSNorm, norm_ops
+from actdesign.runtime.glu import MSGLU, _GLUDown
+from actdesign.runtime.quantized import _QuantizedInput
+
+NORMS = {"layer": (MSLayerNorm, QMSLayerNorm), "rms": (MSRMSNorm, QMSRMSNorm)}
+# (autocast dtype or None, parameter and input dtype)
+MODES = [(None, torch.float32), (torch.bfloat16, torch.float32), (None, torch.bfloat16)]
+
+
+@pytest.fixture
+def restored(monkeypatch):
+    """Every dequantized copy made during the test, in order."""
+    seen = []
+    original = _QuantizedInput.restore
+
+    def restore(self, saved, shape, dtype):
+        seen.append(original(self, saved, shape, dtype))
+        return seen[-1]
+
+    monkeypatch.setattr(_QuantizedInput, "restore", restore)
+    return seen
+
+
+def autocast(dtype):
+    return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def code_bytes(samples, per_sample, bits=2, group=256):
+    """Codes, a float32 min and range per group, and an int8 bit width, per sample."""
+    return samples * (math.ceil(per_sample * bits / 8) + 8 * math.ceil(per_sample / group) + 1)
+
+
+@pytest.mark.parametrize("kind", sorted(NORMS))
+@pytest.mark.parametrize("amp, dtype", MODES)
+def test_norm_and_readers_keep_one_set_of_codes(kind, amp, dtype, restored, saved):
+    torch.manual_seed(0)
+    d, batch, seq = 64, 3, 10
+    plain, coded = NORMS[kind][0](d), NORMS[kind][1](d, bits=2)
+    readers = [QLinear(d, n, bits=2).to(dtype) for n in (16, 16, 48)]
+    x = (torch.randn(batch, seq, d) * 2 + 0.5).to(dtype).requires_grad_(True)
+    params = [p for m in readers for p in m.parameters()]
+
+    def block(inp):
+        with autocast(amp):
+            y = coded(inp)
+            return y, [m(y) for m in readers]
+
+    kept = saved(block, x, params)
+    # Kept: the codes of y once, and rstd per row; no copy of y, no codes per reader.
+    assert sum(kept.values()) == code_bytes(batch, seq * d) + 4 * batch * seq
+    y, outs = block(x)
+    with autocast(amp):
+        assert torch.equal(y, plain(x))  # the forward is the MS norm's, bit for bit
+    grad_y = []
+    y.register_hook(grad_y.append)
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+
+    # The three readers, then the norm, dequantize one copy.
+    assert len(restored) == 4 and all(torch.equal(r, restored[0]) for r in restored)
+    y_hat = restored[0]
+    for m, g in zip(readers, grads, strict=True):
+        w = m.weight.to(y_hat.dtype)
+        assert torch.equal(m.weight.grad, m.weight_grad(y_hat, w, g).to(m.weight.dtype))
+    forward, backward = norm_ops().OPS[kind][:2]
+    _, rstd = forward(x.detach(), 1e-5, y.dtype)
+    assert torch.equal(x.grad, backward(y_hat, rstd, grad_y[0].to(x.dtype)))
+
+
+def test_a_reader_of_other_bits_makes_its_own_codes(restored, saved):
+    torch.manual_seed(1)
+    norm, same, other = QMSRMSNorm(64, bits=2), QLinear(64, 8, bits=2), QLinear(64, 8, bits=4)
+    x = torch.randn(2, 5, 64, requires_grad=True)
+
+    def block(inp):
+        y = norm(inp)
+        return same(y) + other(y)
+
+    kept = saved(block, x, [*same.parameters(), *other.parameters()])
+    assert sum(kept.values()) == code_bytes(2, 320) + code_bytes(2, 320, bits=4) + 4 * 10
+    block(x).sum().backward()
+    assert len(restored) == 3  # other's copy, then same's and the norm's: one copy
+    assert torch.equal(restored[1], restored[2]) and not torch.equal(restored[0], restored[1])
+
+
+def test_without_grad_a_coded_norm_is_the_ms_norm():
+    x = torch.randn(4, 33)
+    with torch.no_grad():
+        assert torch.equal(QMSLayerNorm(33)(x), MSLayerNorm(33)(x))
+    y = QMSLayerNorm(33)(x)  # x needs no gradient: nothing is kept
+    assert y.grad_fn is None and not hasattr(y, "_actdesign_codes")
+
+
+def llama_mlp(dtype=torch.float32, d=64, hidden=160):
+    torch.manual_seed(2)
+    config = LlamaConfig(hidden_size=d, intermediate_size=hidden, num_attention_heads=4)
+    return LlamaMLP(config).to(dtype)
+
+
+@pytest.mark.parametrize("amp, dtype", MODES)
+def test_msglu_keeps_codes_of_up_in_place_of_up(amp, dtype, saved):
+    mlp = llama_mlp(dtype)
+    exact, coded = MSGLU.from_module(mlp), MSGLU.from_module(mlp, codes=(2, 256))
+    x = torch.randn(3, 7, 64, dtype=dtype, requires_grad=True)
+    with autocast(amp):
+        assert torch.equal(coded(x), exact(x))  # the forward is exact
+        kept_exact = saved(exact, x, list(mlp.parameters()))
+        kept_coded = saved(coded, x, list(mlp.parameters()))
+    u_bytes = 3 * 7 * 160 * (amp or dtype).itemsize
+    assert sum(kept_coded.values()) == sum(kept_exact.values()) - u_bytes \
+        + code_bytes(3, 7 * 160)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_msglu_backward_is_the_exact_one_on_the_restored_up(dtype, restored):
+    """dg = dh·û·act'(g) and down's weight gradient from h = act(g)·û; du = dh·act(g) does
+    not read u at all."""
+    torch.manual_seed(3)
+    holder = MSGLU.from_module(llama_mlp(), codes=(2, 256))
+    g0, u0 = (torch.randn(3, 7, 160, dtype=dtype) for _ in range(2))
+    weight0 = torch.randn(64, 160)
+    grad = torch.randn(3, 7, 64, dtype=dtype)
+
+    def run(u, codes):
+        g, u, weight = (t.clone().requires_grad_(True) for t in (g0, u, weight0))
+        _GLUDown.apply(g, u, weight, None, "silu", dtype, codes).backward(grad)
+        return g.grad, u.grad, weight.grad
+
+    coded = run(u0, holder)
+    (u_hat,) = restored
+    assert not torch.equal(u_hat, u0)
+    for got, want in zip(coded, run(u_hat, None), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(coded[1], run(u0, None)[1])  # du: exact
+
+
+def test_msglu_codes_keep_the_gradients_unbiased():
+    """E[grad] over the codes' random rounding is the exact gradient, for the input
+    (dg = dh·û·act'(g): g exact, û unbiased) and the down weight (h = act(g)·û)."""
+    mlp = llama_mlp(torch.float64, d=16, hidden=40)
+    exact, coded = MSGLU.from_module(mlp), MSGLU.from_module(mlp, codes=(2, 8))
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    grad = torch.randn(2, 5, 16, dtype=torch.float64)
+
+    def grads(m):
+        xi = x.clone().requires_grad_(True)
+        mlp.zero_grad()
+        m(xi).backward(grad)
+        return torch.cat([xi.grad.flatten(), mlp.down_proj.weight.grad.flatten()])
+
+    reference = grads(exact)
+    draws = torch.stack([grads(coded) for _ in range(400)])
+    mean_err = draws.mean(0) - reference
+    # Σ (mean - exact)² / Σ var/K over 800 values: about 1 if unbiased (the spread is set by
+    # the few largest variances, so the band is wide); a bias grows it with K.
+    ratio = (mean_err**2).sum() / (draws.var(0).sum() / len(draws))
+    assert 0.6 < ratio < 1.5
+
+
+def test_msglu_gate_and_up_share_the_norm_codes(restored, saved):
+    mlp = llama_mlp()
+    norm = QMSRMSNorm(64, bits=2)
+    glu = MSGLU.from_module(mlp, codes=(2, 256), input_codes=(2, 256))
+    assert all(type(m) is QLinear for m in (glu.gate_proj, glu.up_proj))
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    kept = saved(lambda inp: glu(norm(inp)), x, list(mlp.parameters()))
+    # The norm's codes of its output (once) and rstd, g in float32, the codes of u.
+    assert sum(kept.values()) == code_bytes(3, 7 * 64) + 4 * 21 + 4 * 21 * 160 \
+        + code_bytes(3, 7 * 160)
+    glu(norm(x)).sum().backward()
+    # The GLU's û, then gate's and up's copy of the norm's output, then the norm's: one copy.
+    assert len(restored) == 4
+    assert torch.equal(restored[1], restored[2]) and torch.equal(restored[1], restored[3])
