@@ -10,7 +10,7 @@ are the eager ones, with eager's roundings: the results equal the eager module's
 The three Linear layers keep their names and parameters as LeanLinear layers: no 16-bit
 weight copy under autocast; the down projection's weight is cast again in the backward.
 
-For ActNN policies MS-GLU can keep u as b-bit codes (`bits`): the backward then uses the
+For ActNN policies MS-GLU can keep u as b-bit codes (`codes`): the backward then uses the
 unbiased û in h = act(g)·û, which only the down projection's weight gradient reads (ActNN's
 own noise on that layer), and in dg = dh·û·act'(g), which stays unbiased because g is
 exact; du = dh·act(g) is exact. With `input_codes`, gate_proj and up_proj are QLinear,

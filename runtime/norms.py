@@ -71,8 +71,8 @@ class _QMSNorm(_QuantizedInput, _MSNorm):
     The QLinear layers reading y keep the same codes for their weight gradients (see
     `_QuantizedInput.share`), so the block keeps b bits per element of y, not 16 or 32. The
     backward runs the MS-BP formula on the dequantized ŷ, which is unbiased. Its noise reaches
-    the input gradient through the projection term ŷ·mean(g·ŷ) only, whose size is about
-    1/sqrt(d) of the gradient's."""
+    the input gradient through the projection term ŷ·mean(g·ŷ) only: a row mean, about
+    1/sqrt(d) of g where g and y are uncorrelated."""
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, *, bits=2, group_size=256):
         _MSNorm.__init__(self, normalized_shape, eps)

@@ -52,6 +52,9 @@ class _QuantizedInput:
             raise ActdesignError(f"per-sample bits must be {x.shape[0]} values in 1..8")
         return bits.to(torch.int8)
 
+    # torch.compile runs these eagerly: the codes' layout comes from host-side bits, and the
+    # numba kernels cannot be traced.
+    @torch.compiler.disable
     def compress(self, x):
         bits = self._sample_bits(x)
         shared = getattr(x, _SHARED, None)
@@ -69,6 +72,7 @@ class _QuantizedInput:
         same bits and group size keeps these, instead of making its own."""
         setattr(x, _SHARED, (self.group_size, codes))
 
+    @torch.compiler.disable
     def restore(self, saved, shape, dtype):
         packed, lo, width, bits = saved
         x = actnn_ops().dequantize(packed, lo, width, bits, math.prod(shape[1:]),

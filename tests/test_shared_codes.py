@@ -8,6 +8,7 @@ for the whole block, and that the gradients built from it stay unbiased where th
 so.
 """
 
+import copy
 import math
 
 import pytest
@@ -188,3 +189,28 @@ def test_msglu_gate_and_up_share_the_norm_codes(restored, saved):
     # The GLU's û, then gate's and up's copy of the norm's output, then the norm's: one copy.
     assert len(restored) == 4
     assert torch.equal(restored[1], restored[2]) and torch.equal(restored[1], restored[3])
+
+
+def test_torch_compile_runs_the_codes_eagerly_and_matches_eager():
+    torch.manual_seed(4)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = QMSRMSNorm(64)
+            self.q, self.k = QLinear(64, 32), QLinear(64, 32)
+
+        def forward(self, x):
+            y = self.norm(x)
+            return self.q(y) + self.k(y)
+
+    block = Block()
+    eager = copy.deepcopy(block)  # the same seeds, so the same codes
+    x = torch.randn(2, 8, 64)
+    grads = []
+    for m in (torch.compile(block, backend="aot_eager"), eager):
+        xi = x.clone().requires_grad_(True)
+        m(xi).sum().backward()
+        grads.append((xi.grad, *(p.grad for p in m.parameters())))
+    for compiled, reference in zip(*grads, strict=True):
+        assert torch.equal(compiled, reference)
