@@ -53,9 +53,9 @@ from actdesign.runtime.profile import PRECISIONS, default_precision, forward_con
 
 VOCAB = 256  # bytes
 VARIANTS = ["baseline", "fewbit3", "regelu2", "msnorm", "fewbit3+msnorm", "regelu2+msnorm",
-            "actnn2", "backrazor90", "llm", "llm+actnn2"]
+            "actnn2", "fewbit3+msnorm+actnn2", "backrazor90", "llm", "llm+actnn2"]
 GOALS = {"fewbit3": 0.01, "regelu2": 0.01, "msnorm": 0.01, "fewbit3+msnorm": 0.01,
-         "regelu2+msnorm": 0.01, "actnn2": 0.03, "llm": 0.005,
+         "regelu2+msnorm": 0.01, "actnn2": 0.03, "fewbit3+msnorm+actnn2": 0.03, "llm": 0.005,
          "llm+actnn2": 0.03}  # allowed relative excess of the final validation loss, averaged
 # over seeds
 CALIBRATION_BATCHES = 4
