@@ -58,9 +58,9 @@ class _QuantizedInput:
     def compress(self, x):
         bits = self._sample_bits(x)
         shared = getattr(x, _SHARED, None)
-        if shared is not None and shared[0] == self.group_size and torch.equal(shared[1][3],
-                                                                                bits):
-            return shared[1]  # the producer's codes of this very tensor: kept once
+        if shared is not None and shared[:2] == (self.group_size, x._version) \
+                and torch.equal(shared[2][3], bits):
+            return shared[2]  # the producer's codes of this very tensor: kept once
         self._calls += 1
         seed = (self._seed + 0x9E3779B9 * self._calls) & 0xFFFFFFFF
         packed, lo, width = actnn_ops().quantize(x.detach().reshape(x.shape[0], -1), bits,
@@ -69,8 +69,9 @@ class _QuantizedInput:
 
     def share(self, x, codes):
         """Offer `codes` of x (from `compress`) to the layers that read x: a QLinear with the
-        same bits and group size keeps these, instead of making its own."""
-        setattr(x, _SHARED, (self.group_size, codes))
+        same bits and group size keeps these, instead of making its own, unless x was
+        changed in place since."""
+        setattr(x, _SHARED, (self.group_size, x._version, codes))
 
     @torch.compiler.disable
     def restore(self, saved, shape, dtype):

@@ -101,6 +101,19 @@ def test_a_reader_of_other_bits_makes_its_own_codes(restored, saved):
     assert torch.equal(restored[1], restored[2]) and not torch.equal(restored[0], restored[1])
 
 
+def test_a_reader_of_a_tensor_changed_in_place_makes_its_own_codes(restored):
+    """The norm's codes are of y as it was; once y changes in place they are stale."""
+    torch.manual_seed(5)
+    norm, reader = QMSRMSNorm(64, bits=2), QLinear(64, 8, bits=2)
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    y = norm(x)
+    y.add_(10)  # legal: the norm's backward reads its codes, not y
+    reader(y).sum().backward(inputs=[reader.weight])
+    (y_hat,) = restored  # the reader's own codes, of the changed y: within a 2-bit step
+    step = (y.detach().amax() - y.detach().amin()) / 3  # (the norm's codes are 10 away)
+    assert (y_hat - y.detach()).abs().max() <= step < 10
+
+
 def test_without_grad_a_coded_norm_is_the_ms_norm():
     x = torch.randn(4, 33)
     with torch.no_grad():
