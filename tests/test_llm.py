@@ -514,3 +514,26 @@ def test_llm_with_gradient_checkpointing():
     torch.testing.assert_close(out1.loss, out0.loss, rtol=1e-5, atol=0)
     for n, g in grads1.items():
         torch.testing.assert_close(g, grads0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_shared_codes_under_gradient_checkpointing_are_the_recomputed_ones(autocast):
+    """With checkpointing, each layer's forward runs twice and its codes are drawn again in
+    the recomputation (a fresh seed per call). The gradients must be exactly those of the
+    same model without checkpointing whose codes come from the same draw: one forward ahead,
+    so every coded module is on its second seed. The norms' codes must reach their readers in
+    the recomputation too, or their draws would differ."""
+    model = causal_lm().train()
+    compress(model, "llm+actnn2")
+    ref = copy.deepcopy(model)  # the same seeds and call counts
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = models.example_batch(model, 2, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref(**inputs)  # the draw the checkpointed forward makes and drops
+    out0, grads0 = run_model(ref, inputs, autocast)
+    out1, grads1 = run_model(model, inputs, autocast)
+    assert torch.equal(out1.loss, out0.loss)
+    assert grads1.keys() == grads0.keys()
+    for n, g in grads1.items():
+        assert torch.equal(g, grads0[n]), n
