@@ -72,7 +72,9 @@ class _QMSNorm(_QuantizedInput, _MSNorm):
     `_QuantizedInput.share`), so the block keeps b bits per element of y, not 16 or 32. The
     backward runs the MS-BP formula on the dequantized ŷ, which is unbiased. Its noise reaches
     the input gradient through the projection term ŷ·mean(g·ŷ) only: a row mean, about
-    1/sqrt(d) of g where g and y are uncorrelated."""
+    1/sqrt(d) of g where g and y are uncorrelated. That term's diagonal ŷ_i·g_i·ŷ_i/d has
+    the mean (y_i² + Var ŷ_i)·g_i/d, so E[dx_i] = dx_i - rstd·g_i·Var(ŷ_i)/d: a shrink by
+    Var(ŷ_i)/d, which no function of the codes can undo."""
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, *, bits=2, group_size=256):
         _MSNorm.__init__(self, normalized_shape, eps)

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -83,6 +84,43 @@ def test_norm_and_readers_keep_one_set_of_codes(kind, amp, dtype, restored, save
     forward, backward = norm_ops().OPS[kind][:2]
     _, rstd = forward(x.detach(), 1e-5, y.dtype)
     assert torch.equal(x.grad, backward(y_hat, rstd, grad_y[0].to(x.dtype)))
+
+
+@pytest.mark.parametrize("kind", sorted(NORMS))
+def test_norm_input_gradient_has_only_the_projection_terms_bias(kind):
+    """E[dx] over the random rounding is dx - rstd·g·Var(ŷ)/d: ŷ is unbiased, and the
+    projection term ŷ·mean(g·ŷ) holds ŷ_i twice in its diagonal, whose mean is y_i² + Var ŷ_i.
+    Var ŷ_i = step²·f·(1 - f), f the fractional position of y_i between two levels."""
+    torch.manual_seed(6)
+    d, bits = 64, 2
+    norm = NORMS[kind][1](d, bits=bits)  # one sample: 4 x 64 = one group of 256
+    x = torch.randn(2, 4, d, dtype=torch.float64) * 3 + 1
+    g = torch.randn_like(x)
+    exact = x.clone().requires_grad_(True)
+    y = F.layer_norm(exact, (d,), eps=norm.eps) if kind == "layer" else \
+        exact * torch.rsqrt(exact.pow(2).mean(-1, keepdim=True) + norm.eps)
+    y.backward(g)
+    y = y.detach()
+    centred = x - x.mean(-1, keepdim=True) if kind == "layer" else x
+    rstd = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + norm.eps)
+    flat = y.reshape(2, -1).float()  # the quantizer's grid: float32 lo and step per group
+    lo = flat.amin(-1, keepdim=True)
+    step = ((flat.amax(-1, keepdim=True) - lo) / (2**bits - 1)).double()
+    t = (flat.double() - lo.double()) / step
+    var = (step**2 * (t - t.floor()) * (1 - t + t.floor())).view_as(y)
+    bias = -rstd * g * var / d
+
+    draws = []
+    for _ in range(400):  # a fresh seed per call
+        xi = x.clone().requires_grad_(True)
+        norm(xi).backward(g)
+        draws.append(xi.grad)
+    draws = torch.stack(draws)
+    noise = draws.var(0).sum() / len(draws)
+    # Σ (mean - prediction)² / Σ var/K: about 1 for the right prediction. Without the bias
+    # term it is 1 + Σ bias² / Σ var/K, about 2-3 here (the bias is ~1% of dx at d = 64).
+    assert 0.6 < ((draws.mean(0) - exact.grad - bias)**2).sum() / noise < 1.5
+    assert ((draws.mean(0) - exact.grad)**2).sum() / noise > 1.5
 
 
 def test_a_reader_of_other_bits_makes_its_own_codes(restored, saved):
