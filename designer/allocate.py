@@ -260,7 +260,9 @@ def save_bits(path, result: Allocation, bits: dict, **extra) -> None:
 
 
 def load_bits(path) -> dict[str, int]:
-    """{name: bits} from a bits file that `save_bits` wrote (per-layer bits only)."""
+    """{name: bits} from a bits file that `save_bits` wrote (per-layer bits only). A name
+    listing several layers, comma-separated (layers sharing one tensor's codes), gives each
+    of them the bits."""
     from actdesign.files import read_json
 
     origin = str(path)
@@ -274,4 +276,4 @@ def load_bits(path) -> dict[str, int]:
         if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
             raise ActdesignError(f"{origin}: bits of {name!r} must be one integer in 1..8 "
                                  "(per-sample allocations apply to one batch only)")
-    return bits
+    return {layer: b for name, b in bits.items() for layer in name.split(",")}

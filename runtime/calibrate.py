@@ -8,6 +8,11 @@ with R the per-group ranges of the layer's input, K the kernel taps (1 for Linea
 conv groups and P the elements per sample divided by the input channels. The variance the
 codes add to the weight gradient is Σ C / (2^b - 1)², so `allocate` minimises it under the
 memory budget Σ w·b with w the elements per sample.
+
+Layers keeping one tensor's codes (the readers of a coded MS norm, `QMSRMSNorm`) are one
+item: one bit width for the norm and all its readers, C their sum, w the tensor's elements
+once. Its name lists the readers, comma-separated; a bits file gives each of them those bits.
+MS-GLU's codes of up(x) keep the rule's bits.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import torch.nn.functional as F
 from actdesign.designer.allocate import allocate, save_bits, save_stats
 from actdesign.errors import ActdesignError
 
-from .quantized import QConv2d, QLinear
+from .norms import _QMSNorm
+from .quantized import QConv2d, QLinear, whole
 
 
 def _layer_constants(layer, x):
@@ -58,23 +64,35 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QLinear | QConv2d)}
     if not layers:
         raise ActdesignError("the model has no QLinear or QConv2d layers to calibrate")
+    norms = {name: m for name, m in model.named_modules() if isinstance(m, _QMSNorm)}
     found = {name: [] for name in layers}  # per batch: C per sample
     sizes = {}
     pending = {}
+    made = {}  # id(output) -> (coded norm, output), this batch's
+    source = {}  # layer -> the coded norm whose codes it keeps
+
+    def norm_hook(name):
+        def hook(module, inputs, output):
+            made[id(output)] = name, output
+        return hook
 
     def forward_hook(name):
         def hook(module, inputs, output):
             (x,) = inputs
+            norm, y = made.get(id(whole(x)), (None, None))
+            if y is whole(x) and norms[norm].group_size == module.group_size:
+                source[name] = norm
             sizes[name] = math.prod(x.shape[1:])
             pending[name] = _layer_constants(module, x) * _range_squares(x, module.group_size)
 
             def grad_hook(g):
-                norms = g.detach().float().reshape(g.shape[0], -1).square().sum(1)
-                found[name].append((pending.pop(name) * norms).double())
+                grad_norms = g.detach().float().reshape(g.shape[0], -1).square().sum(1)
+                found[name].append((pending.pop(name) * grad_norms).double())
             output.register_hook(grad_hook)
         return hook
 
     handles = [m.register_forward_hook(forward_hook(name)) for name, m in layers.items()]
+    handles += [m.register_forward_hook(norm_hook(name)) for name, m in norms.items()]
     count = 0
     try:
         for batch in batches:
@@ -88,6 +106,7 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
                 inputs, target = batch
                 value = F.cross_entropy(model(inputs), target)
             value.backward()
+            made.clear()
     finally:
         for h in handles:
             h.remove()
@@ -95,28 +114,29 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
     if count == 0 or any(not v for v in found.values()):
         raise ActdesignError("calibration saw no batch reaching every quantized layer")
 
-    if per == "layer":
-        items = [(name, float(sum(c.sum() for c in found[name])), sizes[name])
-                 for name in layers]
-    else:
-        items = [(f"{name}/{n}", float(c), sizes[name])
-                 for name in layers for n, c in enumerate(found[name][0].tolist())]
+    groups = {}  # the layers of one item: those keeping one norm's codes, or one layer
+    for name in layers:
+        groups.setdefault(source.get(name, name), []).append(name)
+    # C of each item, its layers' summed: one value (over all batches), or one per sample
+    item_c = {key: sum(sum(c.sum() for c in found[name]) for name in group).reshape(1)
+              if per == "layer" else sum(found[name][0] for name in group)
+              for key, group in groups.items()}
+    items = [(",".join(group) + (f"/{n}" if per == "sample" else ""), float(c), sizes[group[0]])
+             for key, group in groups.items() for n, c in enumerate(item_c[key].tolist())]
     C = torch.tensor([c for _, c, _ in items], dtype=torch.float64).numpy()
     w = torch.tensor([s for _, _, s in items], dtype=torch.float64).numpy()
     result = allocate(C, w, avg_bits * float(w.sum()))
     if stats_path:
         save_stats(stats_path, items)
-    bits = {}
-    if per == "layer":
-        for (name, _, _), b in zip(items, result.bits, strict=True):
-            layers[name].bits = bits[name] = int(b)
-    else:
-        start = 0
-        for name, layer in layers.items():
-            n = found[name][0].numel()
-            layer.bits = bits[name] = torch.as_tensor(result.bits[start:start + n],
-                                                      dtype=torch.int8)
-            start += n
+    bits, start = {}, 0
+    for key, group in groups.items():
+        n = item_c[key].numel()
+        chosen = torch.as_tensor(result.bits[start:start + n], dtype=torch.int8)
+        chosen = int(chosen) if per == "layer" else chosen
+        start += n
+        for m in [layers[name] for name in group] + ([norms[key]] if key in norms else []):
+            m.bits = chosen
+        bits.update(dict.fromkeys(group, chosen))
     if bits_path:
         save_bits(bits_path, result, {name: b if isinstance(b, int) else b.tolist()
                                       for name, b in bits.items()}, avg_bits=avg_bits)

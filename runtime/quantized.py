@@ -28,6 +28,16 @@ def actnn_ops():
 _SHARED = "_actdesign_codes"  # the attribute carrying a tensor's codes to its readers
 
 
+def whole(x):
+    """The tensor of which x is a view of every element in the same layout (as `h[:, 0:]`
+    is: transformers slices the hidden states before the head), or x itself."""
+    base = x._base
+    if base is not None and (x.shape, x.stride(), x.storage_offset()) == (
+            base.shape, base.stride(), base.storage_offset()):
+        return base
+    return x
+
+
 class _QuantizedInput:
     """What QLinear and QConv2d share: bits, group size, seeds, the codes."""
 
@@ -57,7 +67,7 @@ class _QuantizedInput:
     @torch.compiler.disable
     def compress(self, x):
         bits = self._sample_bits(x)
-        shared = getattr(x, _SHARED, None)
+        shared = getattr(whole(x), _SHARED, None)
         if shared is not None and shared[:2] == (self.group_size, x._version) \
                 and torch.equal(shared[2][3], bits):
             return shared[2]  # the producer's codes of this very tensor: kept once

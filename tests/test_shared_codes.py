@@ -152,6 +152,22 @@ def test_a_reader_of_a_tensor_changed_in_place_makes_its_own_codes(restored):
     assert (y_hat - y.detach()).abs().max() <= step < 10
 
 
+@pytest.mark.parametrize("amp, dtype", MODES)
+def test_a_reader_of_a_whole_view_keeps_the_norms_codes(amp, dtype, saved):
+    """transformers hands the head h[:, 0:], a view of every element in the same layout:
+    the same data, so the same codes. A view of part of y is other data: codes of its own."""
+    torch.manual_seed(7)
+    norm = QMSRMSNorm(64, bits=2)
+    whole, part = (QLinear(64, 8, bits=2).to(dtype) for _ in range(2))
+    x = torch.randn(2, 5, 64, dtype=dtype, requires_grad=True)
+    params = [*whole.parameters(), *part.parameters()]
+    with autocast(amp):
+        kept = saved(lambda inp: whole(norm(inp)[:, 0:]), x, params)
+        assert sum(kept.values()) == code_bytes(2, 320) + 4 * 10
+        kept = saved(lambda inp: part(norm(inp)[:, 1:]), x, params)
+        assert sum(kept.values()) == code_bytes(2, 320) + code_bytes(2, 256) + 4 * 10
+
+
 def test_without_grad_a_coded_norm_is_the_ms_norm():
     x = torch.randn(4, 33)
     with torch.no_grad():
@@ -265,3 +281,52 @@ def test_torch_compile_runs_the_codes_eagerly_and_matches_eager():
         grads.append((xi.grad, *(p.grad for p in m.parameters())))
     for compiled, reference in zip(*grads, strict=True):
         assert torch.equal(compiled, reference)
+
+
+def test_calibration_gives_a_norm_and_its_readers_one_bit_width(tmp_path):
+    """The readers of a coded norm keep one set of codes: one item of the allocation (C
+    summed over the readers, the elements counted once), one bit width for all of them and
+    the norm, so the codes stay shared and the memory is the budget's."""
+    import json
+
+    from actdesign.designer.allocate import load_bits
+    from actdesign.runtime import account, calibrate, compress, models
+
+    torch.manual_seed(8)
+    model, _ = models.build("llama-tiny", seed=0)
+    batches = [models.example_batch(model, 4, 64) for _ in range(2)]
+    compress(model, "msnorm+actnn2", batches[0])
+    uniform, _ = account(model, lambda: models.loss_of(models.call(model, batches[0])))
+    bits = calibrate(model, batches, avg_bits=2, stats_path=tmp_path / "stats.json",
+                     bits_path=tmp_path / "bits.json",
+                     loss=lambda m, batch: models.loss_of(models.call(m, batch)))
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert {attn.q_proj.bits, attn.k_proj.bits, attn.v_proj.bits} == {layer.input_layernorm.bits}
+    assert {mlp.gate_proj.bits, mlp.up_proj.bits} == {layer.post_attention_layernorm.bits}
+    assert model.lm_head.bits == model.model.norm.bits  # through transformers' h[:, 0:]
+    names = [it["name"] for it in json.loads((tmp_path / "stats.json").read_text())["items"]]
+    prefix = "model.layers.0."
+    assert names[:3] == [",".join(prefix + n for n in ("self_attn.q_proj", "self_attn.k_proj",
+                                                      "self_attn.v_proj")),
+                         f"{prefix}mlp.gate_proj,{prefix}mlp.up_proj", f"{prefix}mlp.down_proj"]
+    assert names[-1] == "lm_head" and len(names) == 7
+    assert load_bits(tmp_path / "bits.json") == bits  # each layer by name
+    calibrated, _ = account(model, lambda: models.loss_of(models.call(model, batches[0])))
+    # Every code is shared, and the budget Σ w·b holds the uniform bits' Σ w·2: the codes of
+    # each sample are w·b/8 bytes (w a multiple of 8 here), the group statistics the same.
+    assert calibrated.total <= uniform.total
+
+
+def test_a_calibrated_policy_keeps_the_codes_shared():
+    from actdesign.runtime import compress, models
+    from actdesign.runtime.calibrate_policy import calibrate_policy
+
+    model, _ = models.build("llama-tiny", seed=0)
+    batches = [models.example_batch(model, 4, 64) for _ in range(2)]
+    result = calibrate_policy(model, batches, "msnorm+actnn2")
+    report = compress(model, result.policy, batches[0])
+    norms = [c.new for c in report.replaced if c.old == "LlamaRMSNorm"]
+    assert len(norms) == 5 and all("codes of its output, shared" in n for n in norms)
+    assert not any(c.new.startswith("LeanLinear (its input is an MS norm's")
+                   for c in report.replaced)
