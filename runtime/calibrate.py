@@ -9,10 +9,10 @@ conv groups and P the elements per sample divided by the input channels. The var
 codes add to the weight gradient is Σ C / (2^b - 1)², so `allocate` minimises it under the
 memory budget Σ w·b with w the elements per sample.
 
-Layers keeping one tensor's codes (the readers of a coded MS norm, `QMSRMSNorm`) are one
-item: one bit width for the norm and all its readers, C their sum, w the tensor's elements
-once. Its name lists the readers, comma-separated; a bits file gives each of them those bits.
-MS-GLU's codes of up(x) keep the rule's bits.
+Layers keeping one tensor's codes (the readers of a coded MS norm, `QMSLayerNorm` or
+`QMSRMSNorm`) are one item: one bit width for the norm and all its readers, C their sum, w
+the tensor's elements once. Its name lists the readers, comma-separated; a bits file gives
+each of them those bits. MS-GLU's codes of up(x) keep the rule's bits.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
             (x,) = inputs
             norm, y = made.get(id(whole(x)), (None, None))
             if y is whole(x) and norms[norm].group_size == module.group_size:
-                source[name] = norm
+                source[name] = norm  # it keeps the norm's codes once its bits are the norm's
             sizes[name] = math.prod(x.shape[1:])
             pending[name] = _layer_constants(module, x) * _range_squares(x, module.group_size)
 
