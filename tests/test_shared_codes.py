@@ -283,7 +283,8 @@ def test_torch_compile_runs_the_codes_eagerly_and_matches_eager():
         assert torch.equal(compiled, reference)
 
 
-def test_calibration_gives_a_norm_and_its_readers_one_bit_width(tmp_path):
+@pytest.mark.parametrize("amp, dtype", MODES)
+def test_calibration_gives_a_norm_and_its_readers_one_bit_width(amp, dtype, tmp_path):
     """The readers of a coded norm keep one set of codes: one item of the allocation (C
     summed over the readers, the elements counted once), one bit width for all of them and
     the norm, so the codes stay shared and the memory is the budget's."""
@@ -294,12 +295,17 @@ def test_calibration_gives_a_norm_and_its_readers_one_bit_width(tmp_path):
 
     torch.manual_seed(8)
     model, _ = models.build("llama-tiny", seed=0)
+    model.to(dtype)
     batches = [models.example_batch(model, 4, 64) for _ in range(2)]
     compress(model, "msnorm+actnn2", batches[0])
-    uniform, _ = account(model, lambda: models.loss_of(models.call(model, batches[0])))
+
+    def loss(m, batch):
+        with autocast(amp):
+            return models.loss_of(models.call(m, batch))
+
+    uniform, _ = account(model, lambda: loss(model, batches[0]))
     bits = calibrate(model, batches, avg_bits=2, stats_path=tmp_path / "stats.json",
-                     bits_path=tmp_path / "bits.json",
-                     loss=lambda m, batch: models.loss_of(models.call(m, batch)))
+                     bits_path=tmp_path / "bits.json", loss=loss)
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     assert {attn.q_proj.bits, attn.k_proj.bits, attn.v_proj.bits} == {layer.input_layernorm.bits}
@@ -312,7 +318,7 @@ def test_calibration_gives_a_norm_and_its_readers_one_bit_width(tmp_path):
                          f"{prefix}mlp.gate_proj,{prefix}mlp.up_proj", f"{prefix}mlp.down_proj"]
     assert names[-1] == "lm_head" and len(names) == 7
     assert load_bits(tmp_path / "bits.json") == bits  # each layer by name
-    calibrated, _ = account(model, lambda: models.loss_of(models.call(model, batches[0])))
+    calibrated, _ = account(model, lambda: loss(model, batches[0]))
     # Every code is shared, and the budget Σ w·b holds the uniform bits' Σ w·2: the codes of
     # each sample are w·b/8 bytes (w a multiple of 8 here), the group statistics the same.
     assert calibrated.total <= uniform.total
