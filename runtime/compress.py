@@ -296,13 +296,23 @@ def _replacement(name, m, rule, codes, sharing) -> tuple[nn.Module, str]:
         return LeanLinear.from_module(m), "LeanLinear (no 16-bit weight copy kept)"
     if rule.apply == "msglu":
         reads_codes = m.gate_proj in sharing and m.up_proj in sharing
-        new = MSGLU.from_module(m, codes=codes.get(m.down_proj),
+        new = MSGLU.from_module(m, codes=_up_codes(codes.get(m.down_proj)),
                                 input_codes=codes[m.gate_proj] if reads_codes else None)
         kept = "up(x)" if new.bits is None else f"{new.bits}-bit codes of up(x)"
         inputs = f"; gate and up keep the MS norm's {new.input_codes[0]}-bit codes of x" \
             if reads_codes else ""
         return new, f"MSGLU ({new.act}; keeps gate(x) and {kept} only{inputs})"
     raise AssertionError(rule.apply)
+
+
+def _up_codes(down):
+    """MS-GLU's codes of up(x), given the down projection's ActNN (bits, group size): two bits
+    more, at most 8. û enters the input gradient elementwise, dg = dh·û·act'(g), where a
+    norm's codes enter only through a row mean: at 2 bits the rounding noise is about half of
+    the MLP's input gradient, at 4 bits (a step 5 times finer) about a tenth; a norm's 2-bit
+    codes add about a tenth at d = 128 and a twentieth at d = 768 (tests/test_shared_codes.py;
+    the LLaMA convergence in benchmarks/RESULTS.md)."""
+    return None if down is None else (min(8, down[0] + 2), down[1])
 
 
 def _spec_for(m, method: str, opts: dict) -> spec_mod.Spec:

@@ -13,8 +13,9 @@ weight copy under autocast; the down projection's weight is cast again in the ba
 For ActNN policies MS-GLU can keep u as b-bit codes (`codes`): the backward then uses the
 unbiased û in h = act(g)·û, which only the down projection's weight gradient reads (ActNN's
 own noise on that layer), and in dg = dh·û·act'(g), which stays unbiased because g is
-exact; du = dh·act(g) is exact. With `input_codes`, gate_proj and up_proj are QLinear,
-keeping the codes of x that an MS norm before them made.
+exact but carries û's noise elementwise into the input gradient (compress gives these
+codes two bits more than ActNN's); du = dh·act(g) is exact. With `input_codes`, gate_proj
+and up_proj are QLinear, keeping the codes of x that an MS norm before them made.
 """
 
 from __future__ import annotations

@@ -472,7 +472,7 @@ def test_actnn_layers_reading_an_ms_norm_share_its_codes(name, base):
             readers, quantized = readers + ["mlp.gate_proj", "mlp.up_proj"], \
                 quantized + ["mlp.down_proj"]
         else:  # MS-GLU holds the MLP's layers: gate and up share the codes, u is coded
-            assert new["0.mlp"] == ("MSGLU (silu; keeps gate(x) and 2-bit codes of up(x) "
+            assert new["0.mlp"] == ("MSGLU (silu; keeps gate(x) and 4-bit codes of up(x) "
                                            "only; gate and up keep the MS norm's 2-bit codes "
                                            "of x)")
     for layer in readers:
