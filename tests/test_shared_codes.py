@@ -313,6 +313,7 @@ def test_calibration_gives_a_norm_and_its_readers_one_bit_width(amp, dtype, tmp_
     the norm, so the codes stay shared and the memory is the budget's."""
     import json
 
+    from actdesign.cli import main
     from actdesign.designer.allocate import load_bits
     from actdesign.runtime import account, calibrate, compress, models
 
@@ -341,6 +342,12 @@ def test_calibration_gives_a_norm_and_its_readers_one_bit_width(amp, dtype, tmp_
                          f"{prefix}mlp.gate_proj,{prefix}mlp.up_proj", f"{prefix}mlp.down_proj"]
     assert names[-1] == "lm_head" and len(names) == 7
     assert load_bits(tmp_path / "bits.json") == bits  # each layer by name
+    # `actdesign allocate` on the stats names the items; a bits file expands the names
+    with pytest.raises(SystemExit) as info:
+        main(["allocate", str(tmp_path / "stats.json"), "--avg-bits", "2", "--out",
+              str(tmp_path / "allocated.json")])
+    assert info.value.code == 0
+    assert load_bits(tmp_path / "allocated.json") == bits
     calibrated, _ = account(model, lambda: loss(model, batches[0]))
     # Every code is shared, and the budget Σ w·b holds the uniform bits' Σ w·2: the codes of
     # each sample are w·b/8 bytes (w a multiple of 8 here), the group statistics the same.
