@@ -79,8 +79,9 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
     def forward_hook(name):
         def hook(module, inputs, output):
             (x,) = inputs
-            norm, y = made.get(id(whole(x)), (None, None))
-            if y is whole(x) and norms[norm].group_size == module.group_size:
+            data = whole(x)
+            norm, y = made.get(id(data), (None, None))
+            if y is data and norms[norm].group_size == module.group_size:
                 source[name] = norm  # it keeps the norm's codes once its bits are the norm's
             sizes[name] = math.prod(x.shape[1:])
             pending[name] = _layer_constants(module, x) * _range_squares(x, module.group_size)
