@@ -181,7 +181,8 @@ from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.policy import PRESETS  # noqa: E402
 
 ARCHS = ["gpt2-tiny", "llama-tiny", "bert-tiny", "vit-tiny"]
-PRESET_NAMES = [p for p in PRESETS if p != "none"]
+# the presets, and the joined ones where norms keep codes shared with their readers
+PRESET_NAMES = [p for p in PRESETS if p != "none"] + ["fewbit3+msnorm+actnn2", "llm+actnn2"]
 
 
 def model_and_batch(name, mode, dtype):
