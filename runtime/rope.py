@@ -100,11 +100,20 @@ def _replacement_for(original):
         a = bound.arguments
         if any(v is not None for k, v in a.items()
                if k not in ("q", "k", "cos", "sin", "unsqueeze_dim")) \
-                or not {"q", "k", "cos", "sin"} <= a.keys():
+                or not {"q", "k", "cos", "sin"} <= a.keys() or not _full_width(a):
             return original(*args, **kwargs)
         return rotary(a["q"], a["k"], a["cos"], a["sin"], a.get("unsqueeze_dim", 1))
 
     return apply_rotary_pos_emb
+
+
+def _full_width(a) -> bool:
+    """Whether cos and sin span q's and k's whole head: the case the probe checks. A
+    function that rotates only the first cos.shape[-1] features (GPT-NeoX's partial rotary)
+    runs as it is."""
+    q, k, cos, sin = (a[name] for name in ("q", "k", "cos", "sin"))
+    return all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)) \
+        and q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]
 
 
 def _probe(original) -> bool:
