@@ -448,6 +448,69 @@ def test_llm_presets_compose_and_train(name, policy):
             torch.testing.assert_close(g, grads0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+# Causal LMs beyond the built-ins, by their parts: what `llm` must find in each (MS-GLU,
+# the rotation, the fused loss) and the loss it must refuse (a head with a bias, soft-capping).
+ARCHITECTURES = {
+    "Mistral": {"MSGLU", "rotary", "FusedLossHead"},
+    "Qwen3": {"MSGLU", "rotary", "FusedLossHead"},  # q/k norms: read by a transpose, exact
+    "Gemma": {"MSGLU", "rotary", "FusedLossHead"},  # tanh-GELU, tied head
+    "Gemma2": {"MSGLU", "rotary", "softcapping"},
+    "Phi3": {"rotary", "FusedLossHead"},  # gate and up fused in one Linear: no MS-GLU
+    "Olmo2": {"MSGLU", "rotary", "FusedLossHead"},
+    "Granite": {"MSGLU", "rotary", "FusedLossHead"},  # scales the logits
+    "Cohere": {"MSGLU", "FusedLossHead"},  # interleaved rotation: left as it is
+    "StableLm": {"MSGLU", "rotary", "bias"},
+    "GPTNeoX": {"rotary", "bias"},  # rotates a quarter of each head
+    "Mixtral": {"rotary", "FusedLossHead"},
+    "Falcon": {"rotary", "FusedLossHead"},
+    "OPT": {"FusedLossHead"},
+}
+
+
+def architecture(name):
+    """A tiny random model of the architecture, every dropout off."""
+    config = getattr(transformers, name + "Config", None)
+    if config is None:
+        pytest.skip(f"this transformers has no {name}")
+    config = config(hidden_size=64, intermediate_size=96, ffn_dim=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                    max_position_embeddings=64, pad_token_id=0)
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout",
+                "resid_pdrop", "embd_pdrop", "layerdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    return getattr(transformers, name + "ForCausalLM")(config).train()
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_llm_is_exact_on_other_causal_lms(name):
+    model = architecture(name)
+    ours = copy.deepcopy(model)
+    report = compress(ours, "llm")
+    found = {part for part in ("MSGLU", "FusedLossHead") if any(c.new.startswith(part)
+                                                               for c in report.replaced)}
+    found |= {"rotary"} if any("rotary" in c.new for c in report.replaced) else set()
+    refused = " ".join(why for _, _, why in report.skipped)
+    found |= {word for word in ("bias", "softcapping") if word in refused}
+    assert found == ARCHITECTURES[name], str(report)
+    inputs = models.example_batch(model, 2, 16)
+    inputs["labels"][0, :3] = -100
+    for autocast in (False, True):
+        out0, grads0 = run_model(model, inputs, autocast)
+        out1, grads1 = run_model(ours, inputs, autocast)
+        torch.testing.assert_close(out1.loss, out0.loss, rtol=1e-5, atol=0)
+    out0, grads0 = run_model(model, inputs)
+    out1, grads1 = run_model(ours, inputs)
+    # Lossless in float32. The norms' γ = 1 and β = 0 at initialisation, so the layers they
+    # fold into keep their gradients; the absolute term covers gradients that are zero in
+    # exact arithmetic (a key bias: softmax ignores a shift shared by a row). A bias that
+    # folding a β gave a Linear is new: it has no counterpart.
+    for n, g in grads1.items():
+        if n in grads0:
+            torch.testing.assert_close(g, grads0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
 @pytest.mark.parametrize("base", ["llm", "msnorm"])
 def test_actnn_layers_reading_an_ms_norm_share_its_codes(name, base):
