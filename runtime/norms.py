@@ -9,6 +9,8 @@ Linear layers compute in, so autocast makes no second copy.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -166,7 +168,6 @@ def _affine(norm: nn.Module):
     if isinstance(norm, nn.LayerNorm):
         shape, eps, kind = norm.normalized_shape, norm.eps, "layer"
     elif isinstance(norm, nn.RMSNorm) or (type(norm).__name__.endswith("RMSNorm")
-                                          and not type(norm).__name__.startswith("Gemma")
                                           and hasattr(norm, "weight")):
         weight = norm.weight
         shape = tuple(weight.shape) if weight is not None else tuple(norm.normalized_shape)
@@ -181,4 +182,41 @@ def _affine(norm: nn.Module):
         raise ActdesignError("MS norms normalise over the last dimension only")
     gamma = getattr(norm, "weight", None)
     beta = getattr(norm, "bias", None) if kind == "layer" else None
+    if kind == "rms" and not isinstance(norm, nn.RMSNorm):
+        gamma = _rms_scale(norm, shape[0], float(eps))
     return kind, shape[0], float(eps), gamma, beta
+
+
+def _rms_scale(norm: nn.Module, d: int, eps: float):
+    """The γ that another library's RMSNorm multiplies x·rsqrt(mean(x²)+eps) by, found by
+    what it computes on a probe: its weight w (LLaMA), 1 + w (Gemma, Qwen3-Next) or nothing
+    (no weight). Anything else, a gate or another eps among them, is refused."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, d, generator=gen, dtype=torch.float64)
+    x[2:] *= eps ** 0.5 if eps > 0 else 1e-3  # rows whose mean square is eps: eps shows
+    probe = _float32_copy(norm)
+    try:
+        with torch.no_grad():
+            got = probe(x.float())
+    except Exception as exc:  # noqa: BLE001  (any failure means: not a norm we know)
+        raise ActdesignError(f"its forward does not take one tensor x ({type(exc).__name__}: "
+                             f"{exc})") from None
+    unit = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    w, own = getattr(probe, "weight", None), getattr(norm, "weight", None)
+    if w is not None:
+        w, own = w.detach(), own.detach()
+        wide = own.to(torch.promote_types(own.dtype, torch.float32))  # as Gemma: 1 + w.float()
+    candidates = [(None, 1.0)] if w is None else [(own, w), (1.0 + wide, 1.0 + w)]
+    for gamma, probed in candidates:
+        want = unit * (probed.double() if torch.is_tensor(probed) else probed)
+        # float32 math: a few roundings of 2^-24 each; another formula misses by far more
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and \
+                torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
+            return gamma
+    raise ActdesignError("it does not compute x·rsqrt(mean(x²)+eps)·γ with γ its weight, 1 + "
+                         "its weight or 1 (checked on a probe)")
+
+
+def _float32_copy(norm: nn.Module) -> nn.Module:
+    """The norm in float32 on the CPU, for a probe; the model's own module is not touched."""
+    return copy.deepcopy(norm).to("cpu", torch.float32)

@@ -73,8 +73,7 @@ def is_norm(m: nn.Module) -> bool:
     if type(m) in (nn.LayerNorm, nn.RMSNorm):
         return True
     name = type(m).__name__
-    return _from_transformers(m) and name.endswith("RMSNorm") \
-        and not name.startswith("Gemma")
+    return _from_transformers(m) and name.endswith("RMSNorm")
 
 
 def is_gated_mlp(m: nn.Module) -> bool:

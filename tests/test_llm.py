@@ -448,23 +448,28 @@ def test_llm_presets_compose_and_train(name, policy):
             torch.testing.assert_close(g, grads0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
-# Causal LMs beyond the built-ins, by their parts: what `llm` must find in each (MS-GLU,
-# the rotation, the fused loss) and the loss it must refuse (a head with a bias, soft-capping).
+# Causal LMs beyond the built-ins, by their parts: what `llm` must find in each (MS norms,
+# MS-GLU, the rotation, the fused loss) and the loss it must refuse (a head with a bias,
+# soft-capping).
 ARCHITECTURES = {
-    "Mistral": {"MSGLU", "rotary", "FusedLossHead"},
-    "Qwen3": {"MSGLU", "rotary", "FusedLossHead"},  # q/k norms: read by a transpose, exact
-    "Gemma": {"MSGLU", "rotary", "FusedLossHead"},  # tanh-GELU, tied head
-    "Gemma2": {"MSGLU", "rotary", "softcapping"},
-    "Phi3": {"rotary", "FusedLossHead"},  # gate and up fused in one Linear: no MS-GLU
-    "Olmo2": {"MSGLU", "rotary", "FusedLossHead"},
-    "Granite": {"MSGLU", "rotary", "FusedLossHead"},  # scales the logits
-    "Cohere": {"MSGLU", "FusedLossHead"},  # interleaved rotation: left as it is
-    "StableLm": {"MSGLU", "rotary", "bias"},
-    "GPTNeoX": {"rotary", "bias"},  # rotates a quarter of each head
-    "Mixtral": {"rotary", "FusedLossHead"},
-    "Falcon": {"rotary", "FusedLossHead"},
-    "OPT": {"FusedLossHead"},
+    "Mistral": {"msnorm", "MSGLU", "rotary", "FusedLossHead"},
+    "Qwen3": {"msnorm", "MSGLU", "rotary", "FusedLossHead"},  # q/k norms: exact, as they are
+    "Gemma": {"msnorm", "MSGLU", "rotary", "FusedLossHead"},  # x̂·(1 + w), tanh-GELU
+    "Gemma2": {"msnorm", "MSGLU", "rotary", "softcapping"},
+    "Qwen3Next": {"msnorm", "MSGLU", "rotary", "FusedLossHead"},  # x̂·(1 + w), MoE
+    "Phi3": {"msnorm", "rotary", "FusedLossHead"},  # gate and up in one Linear: no MS-GLU
+    "Olmo2": {"msnorm", "MSGLU", "rotary", "FusedLossHead"},
+    "Granite": {"msnorm", "MSGLU", "rotary", "FusedLossHead"},  # scales the logits
+    "Cohere": {"MSGLU", "FusedLossHead"},  # its own LayerNorm, an interleaved rotation
+    "StableLm": {"msnorm", "MSGLU", "rotary", "bias"},
+    "GPTNeoX": {"msnorm", "rotary", "bias"},  # rotates a quarter of each head
+    "Mixtral": {"msnorm", "rotary", "FusedLossHead"},
+    "Falcon": {"msnorm", "rotary", "FusedLossHead"},
+    "OPT": {"msnorm", "FusedLossHead"},
 }
+CONFIGS = {"Qwen3Next": dict(layer_types=["full_attention"] * 2, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32)}
 
 
 def architecture(name):
@@ -474,7 +479,7 @@ def architecture(name):
         pytest.skip(f"this transformers has no {name}")
     config = config(hidden_size=64, intermediate_size=96, ffn_dim=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                    max_position_embeddings=64, pad_token_id=0)
+                    max_position_embeddings=64, pad_token_id=0, **CONFIGS.get(name, {}))
     for key in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout",
                 "resid_pdrop", "embd_pdrop", "layerdrop"):
         if hasattr(config, key):
@@ -483,17 +488,24 @@ def architecture(name):
     return getattr(transformers, name + "ForCausalLM")(config).train()
 
 
+def parts(report):
+    """What `llm` did to a model, in the words of ARCHITECTURES."""
+    new = [c.new for c in report.replaced]
+    found = {part for part in ("MSGLU", "FusedLossHead") if any(n.startswith(part)
+                                                               for n in new)}
+    found |= {"msnorm"} if any(n.startswith(("MSRMSNorm", "MSLayerNorm")) for n in new) \
+        else set()
+    found |= {"rotary"} if any("rotary" in n for n in new) else set()
+    refused = " ".join(why for _, _, why in report.skipped)
+    return found | {word for word in ("bias", "softcapping") if word in refused}
+
+
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_llm_is_exact_on_other_causal_lms(name):
     model = architecture(name)
     ours = copy.deepcopy(model)
     report = compress(ours, "llm")
-    found = {part for part in ("MSGLU", "FusedLossHead") if any(c.new.startswith(part)
-                                                               for c in report.replaced)}
-    found |= {"rotary"} if any("rotary" in c.new for c in report.replaced) else set()
-    refused = " ".join(why for _, _, why in report.skipped)
-    found |= {word for word in ("bias", "softcapping") if word in refused}
-    assert found == ARCHITECTURES[name], str(report)
+    assert parts(report) == ARCHITECTURES[name], str(report)
     inputs = models.example_batch(model, 2, 16)
     inputs["labels"][0, :3] = -100
     for autocast in (False, True):

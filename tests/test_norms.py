@@ -153,6 +153,44 @@ def test_folds_that_would_change_the_model_are_refused():
         fold_norm_affine(nn.LayerNorm((4, 8)), [nn.Linear(8, 4)])
 
 
+class OffsetRMSNorm(nn.Module):
+    """Another library's RMSNorm, as Gemma and Qwen3-Next write it: x̂·(1 + w), w from 0."""
+
+    def __init__(self, d, eps=1e-6, offset=1.0, gate=False):
+        super().__init__()
+        self.weight, self.eps, self.offset, self.gate = nn.Parameter(torch.zeros(d)), eps, \
+            offset, gate
+
+    def forward(self, x, gate=None):
+        if self.gate:
+            x = x * torch.sigmoid(gate)
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
+        return x * (self.offset + self.weight)
+
+
+def test_an_rms_norm_is_folded_by_what_it_computes():
+    torch.manual_seed(0)
+    norm = OffsetRMSNorm(16).double()
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.5)
+    linear = nn.Linear(16, 8).double()
+    x = torch.randn(5, 16, dtype=torch.float64)
+    want = linear(norm(x))
+    folded = fold_norm_affine(norm, [linear])  # γ = 1 + w, found on a probe
+    torch.testing.assert_close(linear(folded(x)), want, rtol=1e-12, atol=1e-12)
+    # Another offset, another eps (the probe has rows whose mean square is eps) and a gated
+    # norm are refused, the Linear untouched.
+    for other in (OffsetRMSNorm(16, offset=0.5), OffsetRMSNorm(16, gate=True)):
+        with pytest.raises(ActdesignError, match="checked on a probe|one tensor"):
+            fold_norm_affine(other, [linear])
+    wrong_eps = OffsetRMSNorm(16)
+    wrong_eps.forward = lambda x: x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-2)
+    before = linear.weight.clone()
+    with pytest.raises(ActdesignError, match="checked on a probe"):
+        fold_norm_affine(wrong_eps, [linear])
+    assert torch.equal(linear.weight, before)
+
+
 def test_bad_inputs():
     norm = MSLayerNorm(8)
     with pytest.raises(ValueError, match="got an input of shape"):
