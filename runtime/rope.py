@@ -16,7 +16,7 @@ values attention sees are eager's, bit for bit). The backward is its adjoint, fr
     dq = g·cos + rotate_halfᵀ(g·sin),   rotate_halfᵀ([a, b]) = [b, -a]
 
 Elsewhere (CPU, other dtypes, other shapes, torch.compile, which fuses the eager ops itself)
-it runs eager's own ops.
+it runs eager's own ops, and an attached module its model's own function.
 
 `attach_rotary(attention)` makes one attention module use it, generically: the module's
 forward must call `apply_rotary_pos_emb` from its modeling file, and that function must compute
@@ -77,21 +77,32 @@ class _Rotary(torch.autograd.Function):
 def rotary(q, k, cos, sin, unsqueeze_dim=1):
     """(q, k) rotated as transformers' apply_rotary_pos_emb does: in one kernel each where it
     pays (CUDA under autocast, cos and sin float32), else eager's own ops."""
+    if not _kernel_runs(q, k, cos, sin, unsqueeze_dim):
+        return _reference(q, k, cos, sin, unsqueeze_dim)
+    return _Rotary.apply(q, k, cos, sin, torch.get_autocast_dtype(q.device.type))
+
+
+def _kernel_runs(q, k, cos, sin, unsqueeze_dim) -> bool:
+    """Whether the kernels take this call: CUDA under autocast, float32 cos and sin spanning
+    q's and k's whole head, shapes the kernel fits; eager, not compiling."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
+        return False
     device = q.device.type
     if torch.compiler.is_compiling() or unsqueeze_dim != 1 \
             or not torch.is_autocast_enabled(device) \
             or not (q.dtype == k.dtype and cos.dtype == sin.dtype == torch.float32
-                    and cos.shape == sin.shape):
-        return _reference(q, k, cos, sin, unsqueeze_dim)
+                    and cos.shape == sin.shape
+                    and q.shape[-1] == k.shape[-1] == cos.shape[-1]):
+        return False
     ops = rope_ops()  # the generated module, loaded only where the kernels may run
-    if ops._backend(q) != "triton" or not (ops.fits(q, cos) and ops.fits(k, cos)):
-        return _reference(q, k, cos, sin, unsqueeze_dim)
-    return _Rotary.apply(q, k, cos, sin, torch.get_autocast_dtype(device))
+    return ops._backend(q) == "triton" and ops.fits(q, cos) and ops.fits(k, cos)
 
 
 def _replacement_for(original):
-    """Our rotation behind the original's signature; anything beyond (q, k, cos, sin,
-    unsqueeze_dim), such as position_ids, goes to the original."""
+    """Our rotation behind the original's signature. Where the kernels do not run (and for
+    anything beyond q, k, cos, sin and unsqueeze_dim, such as position_ids) the original
+    runs: its own dtype casts (OLMo 2 casts back to q's dtype) and partial rotations
+    (GPT-NeoX rotates the first cos.shape[-1] features) stay as they are."""
     signature = inspect.signature(original)
 
     def apply_rotary_pos_emb(*args, **kwargs):
@@ -100,20 +111,14 @@ def _replacement_for(original):
         a = bound.arguments
         if any(v is not None for k, v in a.items()
                if k not in ("q", "k", "cos", "sin", "unsqueeze_dim")) \
-                or not {"q", "k", "cos", "sin"} <= a.keys() or not _full_width(a):
+                or not {"q", "k", "cos", "sin"} <= a.keys() \
+                or not _kernel_runs(a["q"], a["k"], a["cos"], a["sin"],
+                                    a.get("unsqueeze_dim", 1)):
             return original(*args, **kwargs)
-        return rotary(a["q"], a["k"], a["cos"], a["sin"], a.get("unsqueeze_dim", 1))
+        return _Rotary.apply(a["q"], a["k"], a["cos"], a["sin"],
+                             torch.get_autocast_dtype(a["q"].device.type))
 
     return apply_rotary_pos_emb
-
-
-def _full_width(a) -> bool:
-    """Whether cos and sin span q's and k's whole head: the case the probe checks. A
-    function that rotates only the first cos.shape[-1] features (GPT-NeoX's partial rotary)
-    runs as it is."""
-    q, k, cos, sin = (a[name] for name in ("q", "k", "cos", "sin"))
-    return all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)) \
-        and q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]
 
 
 def _probe(original) -> bool:
