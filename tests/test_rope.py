@@ -101,12 +101,7 @@ def step(model, inputs, autocast, saved=None):
 def test_attached_attention_trains_as_eager(name, monkeypatch):
     monkeypatch.setenv("ACTDESIGN_BACKEND", "triton")
     model, inputs = built(name)
-    ours = copy.deepcopy(model)
-    attentions = [m for m in ours.modules() if target_of(m) == "attention"]
-    assert len(attentions) == ours.config.num_hidden_layers
-    for m in attentions:
-        attach_rotary(m)
-        assert target_of(m) is None  # done: not a target again
+    ours = attached_copy(model)
     # float32: eager's ops, bit for bit.
     (l0, g0), (l1, g1) = step(model, inputs, False), step(ours, inputs, False)
     assert torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0)
@@ -117,9 +112,25 @@ def test_attached_attention_trains_as_eager(name, monkeypatch):
     (l0, g0), (l1, g1) = step(model, inputs, True, kept), step(ours, inputs, True, kept_ours)
     assert torch.equal(l0, l1)
     assert sum(kept_ours.values()) == sum(kept.values())  # the same bytes kept: no more
-    for n in g0:
-        scale = g0[n].abs().max().clamp_min(1e-30)
-        assert (g1[n] - g0[n]).abs().max() <= 4 * 2.0**-8 * scale, n
+    assert_bf16_close(g1, g0)
+
+
+def attached_copy(model):
+    """A copy of the model whose every attention module rotates with `rotary`."""
+    ours = copy.deepcopy(model)
+    attentions = [m for m in ours.modules() if target_of(m) == "attention"]
+    assert len(attentions) == ours.config.num_hidden_layers
+    for m in attentions:
+        attach_rotary(m)
+        assert target_of(m) is None  # done: not a target again
+    return ours
+
+
+def assert_bf16_close(got, want):
+    """Gradients apart by a few bf16 roundings of the largest, per parameter."""
+    for n in want:
+        scale = want[n].abs().max().clamp_min(1e-30)
+        assert (got[n] - want[n]).abs().max() <= 4 * 2.0**-8 * scale, n
 
 
 def test_the_modeling_file_and_other_instances_are_untouched():
@@ -185,14 +196,8 @@ def partial_rotary_model(kind):
 def test_partial_rotary_trains_as_eager(kind, monkeypatch):
     monkeypatch.setenv("ACTDESIGN_BACKEND", "triton")
     model, inputs = partial_rotary_model(kind)
-    ours = copy.deepcopy(model)
-    attentions = [m for m in ours.modules() if target_of(m) == "attention"]
-    assert len(attentions) == 2
-    for m in attentions:
-        attach_rotary(m)
+    ours = attached_copy(model)
     for autocast in (False, True):
         (l0, g0), (l1, g1) = step(model, inputs, autocast), step(ours, inputs, autocast)
         assert torch.equal(l0, l1)  # the forward is eager's, bit for bit
-        for n in g0:  # bf16: one rounding of the rotation's backward where eager has two
-            scale = g0[n].abs().max().clamp_min(1e-30)
-            assert (g1[n] - g0[n]).abs().max() <= 4 * 2.0**-8 * scale, n
+        assert_bf16_close(g1, g0)  # bf16: one rounding of the backward where eager has two
