@@ -41,6 +41,12 @@ from .cache import generated
 from .targets import ROTARY as NAME
 from .targets import rotary_function_of
 
+# (class forward, its rotation) -> the copy of the forward that calls ours, one for every
+# attached instance. torch.compile then sees one function with one globals dict: its guards
+# hold across layers, and the resume functions it installs in those globals at a graph break
+# are there for every layer (with a copy per instance, the second layer's lookup failed).
+_FORWARDS = {}
+
 
 def _rotate_half(x):
     half = x.shape[-1] // 2
@@ -184,6 +190,9 @@ def attach_rotary(attention: nn.Module) -> None:
                              "two halves), checked on a probe")
     if "forward" in attention.__dict__:
         raise ActdesignError("its forward is already replaced on the instance")
-    forward = _with_global(type(attention).forward, NAME, _replacement_for(original))
+    key = (type(attention).forward, original)
+    if key not in _FORWARDS:
+        _FORWARDS[key] = _with_global(type(attention).forward, NAME, _replacement_for(original))
     # A partial, not a bound method: a deep copy of the model binds the copy.
-    attention.forward = functools.partial(forward, attention)
+    attention.forward = functools.partial(_FORWARDS[key], attention)
+

@@ -133,6 +133,33 @@ def assert_bf16_close(got, want):
         assert (got[n] - want[n]).abs().max() <= 4 * 2.0**-8 * scale, n
 
 
+class BreakingLinear(torch.nn.Linear):
+    """A Linear that torch.compile cannot trace through: a graph break inside attention, as
+    ActNN's eager quantization makes."""
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+def test_attached_attention_compiles_across_a_graph_break():
+    torch._dynamo.reset()
+    model, inputs = built("llama-tiny")
+    for layer in model.model.layers:
+        q = layer.self_attn.q_proj
+        layer.self_attn.q_proj = BreakingLinear(q.in_features, q.out_features, bias=False)
+        layer.self_attn.q_proj.weight = q.weight
+    ours = attached_copy(model)
+    forwards = {m.forward.func for m in ours.modules() if hasattr(m.forward, "func")}
+    assert len(forwards) == 1  # one copy of the forward serves every layer
+    want, grads = step(ours, inputs, False)
+    # The resume function compiled at the break lives in the copy's globals: every layer
+    # must find it there (a copy per layer left the second one without it).
+    got, compiled_grads = step(torch.compile(ours, backend="eager"), inputs, False)
+    assert torch.equal(got, want)
+    assert all(torch.equal(compiled_grads["_orig_mod." + n], grads[n]) for n in grads)
+
+
 def test_the_modeling_file_and_other_instances_are_untouched():
     model, inputs = built("llama-tiny")
     other, _ = built("llama-tiny")
