@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import LeanLinear, MSRMSNorm, compress, models
+from actdesign.runtime import LeanLinear, MSLayerNorm, MSRMSNorm, compress, models
 from actdesign.runtime.glu import MSGLU, glu_ops
 from actdesign.runtime.lm_loss import (
     FusedLossHead,
@@ -526,6 +526,37 @@ def test_llm_is_exact_on_other_causal_lms(name):
     for n, g in grads1.items():
         if n in grads0:
             torch.testing.assert_close(g, grads0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "Gemma", "Falcon"])
+def test_a_compressed_checkpoint_loads_into_the_plain_model(name):
+    def fresh():
+        if name.endswith("-tiny"):
+            return models.build(name)[0].eval()
+        return architecture(name).eval()
+
+    model = fresh()
+    with torch.no_grad():  # trained norms: γ (or Gemma's w) and β away from their start
+        for n, p in model.named_parameters():
+            if "norm" in n or ".ln_" in n:
+                p.normal_(1.0 if p.dim() == 1 and n.endswith("weight") and name != "Gemma"
+                          else 0.0, 0.5)
+    ours = copy.deepcopy(model)
+    compress(ours, "llm")
+    plain = fresh()  # norms at their initial values: γ = 1, β = 0, Gemma's w = 0
+    result = plain.load_state_dict(ours.state_dict(), strict=False)
+    folded = {n for n, m in ours.named_modules() if isinstance(m, (MSRMSNorm, MSLayerNorm))}
+    assert folded and {k.rpartition(".")[0] for k in result.missing_keys} == folded
+    if name == "Falcon":  # a LayerNorm's β folded into a Linear without bias: no place for it
+        assert result.unexpected_keys and all(k.endswith(".bias")
+                                              for k in result.unexpected_keys)
+        return
+    assert not result.unexpected_keys
+    inputs = models.example_batch(model, 2, 12)
+    with torch.no_grad():  # the same function: W·diag(γ) after a norm with γ = 1
+        torch.testing.assert_close(plain(input_ids=inputs["input_ids"]).logits,
+                                   model(input_ids=inputs["input_ids"]).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
