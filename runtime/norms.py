@@ -86,7 +86,10 @@ class _QMSNorm(_QuantizedInput, _MSNorm):
     def from_norm(norm: _MSNorm, *, bits=2, group_size=256) -> _QMSNorm:
         """The MS norm `norm` computes, keeping b-bit codes of its output."""
         cls = QMSLayerNorm if norm.kind == "layer" else QMSRMSNorm
-        return cls(norm.normalized_shape, norm.eps, bits=bits, group_size=group_size)
+        coded = cls(norm.normalized_shape, norm.eps, bits=bits, group_size=group_size)
+        for name, buffer in norm.named_buffers(recurse=False):  # the identity affine, if any
+            coded.register_buffer(name, buffer, persistent=False)
+        return coded
 
     def _normalize(self, x, out_dtype):
         if torch.is_grad_enabled() and x.requires_grad:
@@ -139,7 +142,7 @@ def fold_norm_affine(norm: nn.Module, linears, *, feeds_residual: bool = False) 
         raise ActdesignError("this norm's output also feeds the residual (a post-norm block): "
                              "its γ and β cannot move into the Linear layers alone; keep the "
                              "norm, or use a pre-norm block")
-    kind, d, eps, gamma, beta = _affine(norm)
+    kind, d, eps, gamma, beta, unit = _affine(norm)
     linears = list(linears)
     affine = gamma is not None or beta is not None
     if (affine and not linears) or not all(linear_like(m) for m in linears):
@@ -160,11 +163,21 @@ def fold_norm_affine(norm: nn.Module, linears, *, feeds_residual: bool = False) 
                     m.bias.add_(shift.to(m.bias.dtype))
             if gamma is not None:
                 weight.mul_(gamma.to(weight.dtype)[None, :])
-    return (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps)  # no parameters to move
+    ms = (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps)  # no parameters to move
+    # Code that reads a norm's affine itself (nn.TransformerEncoderLayer's inference path
+    # does) finds the original's at the values that make it the identity: the norm it is.
+    # Buffers, not parameters, and not saved: the folded Linear layers hold the trained γ.
+    for name, value in (("weight", unit), ("bias", 0.0)):
+        original = getattr(norm, name, None)
+        if isinstance(original, torch.Tensor):
+            ms.register_buffer(name, torch.full_like(original, value, requires_grad=False),
+                               persistent=False)
+    return ms
 
 
 def _affine(norm: nn.Module):
-    """(kind, features, eps, γ or None, β or None) of a supported norm."""
+    """(kind, features, eps, γ or None, β or None, the weight's value for γ = 1) of a
+    supported norm."""
     if isinstance(norm, nn.LayerNorm):
         shape, eps, kind = norm.normalized_shape, norm.eps, "layer"
     elif isinstance(norm, nn.RMSNorm) or (type(norm).__name__.endswith("RMSNorm")
@@ -182,15 +195,17 @@ def _affine(norm: nn.Module):
         raise ActdesignError("MS norms normalise over the last dimension only")
     gamma = getattr(norm, "weight", None)
     beta = getattr(norm, "bias", None) if kind == "layer" else None
+    unit = 1.0  # the value of its weight at which the norm multiplies by 1
     if kind == "rms" and not isinstance(norm, nn.RMSNorm):
-        gamma = _rms_scale(norm, shape[0], float(eps))
-    return kind, shape[0], float(eps), gamma, beta
+        gamma, unit = _rms_scale(norm, shape[0], float(eps))
+    return kind, shape[0], float(eps), gamma, beta, unit
 
 
 def _rms_scale(norm: nn.Module, d: int, eps: float):
     """The γ that another library's RMSNorm multiplies x·rsqrt(mean(x²)+eps) by, found by
     what it computes on a probe: its weight w (LLaMA), 1 + w (Gemma, Qwen3-Next) or nothing
-    (no weight). Anything else, a gate or another eps among them, is refused."""
+    (no weight); and the weight's value at which γ = 1. Anything else, a gate or another eps
+    among them, is refused."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, d, generator=gen, dtype=torch.float64)
     x[2:] *= eps ** 0.5 if eps > 0 else 1e-3  # rows whose mean square is eps: eps shows
@@ -201,18 +216,19 @@ def _rms_scale(norm: nn.Module, d: int, eps: float):
     except Exception as exc:  # noqa: BLE001  (any failure means: not a norm we know)
         raise ActdesignError(f"its forward does not take one tensor x ({type(exc).__name__}: "
                              f"{exc})") from None
-    unit = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    normalised = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     w, own = getattr(probe, "weight", None), getattr(norm, "weight", None)
     if w is not None:
         w, own = w.detach(), own.detach()
         wide = own.to(torch.promote_types(own.dtype, torch.float32))  # as Gemma: 1 + w.float()
-    candidates = [(None, 1.0)] if w is None else [(own, w), (1.0 + wide, 1.0 + w)]
-    for gamma, probed in candidates:
-        want = unit * (probed.double() if torch.is_tensor(probed) else probed)
+    # (γ, γ of the probe, the weight's value for γ = 1)
+    candidates = [(None, 1.0, 1.0)] if w is None else [(own, w, 1.0), (1.0 + wide, 1.0 + w, 0.0)]
+    for gamma, probed, unit in candidates:
+        want = normalised * (probed.double() if torch.is_tensor(probed) else probed)
         # float32 math: a few roundings of 2^-24 each; another formula misses by far more
         if isinstance(got, torch.Tensor) and got.shape == want.shape and \
                 torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
-            return gamma
+            return gamma, unit
     raise ActdesignError("it does not compute x·rsqrt(mean(x²)+eps)·γ with γ its weight, 1 + "
                          "its weight or 1 (checked on a probe)")
 

@@ -1,6 +1,8 @@
 """compress on plain torch models: what is replaced, exactness, idempotence, weights kept,
 refusals listed, and the byte accounting against an independent saved-tensor count."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -306,3 +308,36 @@ def test_generated_ops_keep_torch_thread_count(policy):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=300, check=True).stdout
     assert out.split() == ["1"]
+
+
+@pytest.mark.parametrize("policy", ["fewbit3+msnorm", "fewbit3+msnorm+actnn2"])
+def test_torch_transformer_layers_run_every_path_after_folding(policy):
+    # nn.TransformerEncoderLayer's inference path reads its norms' weights and biases
+    # itself: the MS norms show them at the identity (their γ is in linear1 now).
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True,
+                                       norm_first=True, activation="gelu")
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    ours = copy.deepcopy(model)
+    x = torch.randn(2, 10, 32)
+    report = compress(ours, policy, example_inputs=x)
+    folded = [m for m in ours.modules() if isinstance(m, MSLayerNorm)]
+    assert len(folded) == 2  # norm2 of each layer, read by linear1 (norm1 feeds attention)
+    for norm in folded:
+        assert torch.equal(norm.weight, torch.ones(32)) and torch.equal(norm.bias,
+                                                                         torch.zeros(32))
+        assert not any(k.endswith(("weight", "bias")) for k in norm.state_dict())
+    for mode in ("eval", "train"):
+        model.train(mode == "train")
+        ours.train(mode == "train")
+        with torch.no_grad():  # in eval: the fused inference path, with the norms' affine
+            torch.testing.assert_close(ours(x), model(x), rtol=1e-5, atol=1e-5)
+    y = ours(x)
+    y.square().mean().backward()
+    assert all(p.grad is not None for p in ours.parameters() if p.requires_grad), str(report)
+    assert ours.to(torch.float64)(x.double()).dtype == torch.float64  # buffers follow .to()

@@ -178,6 +178,8 @@ def test_an_rms_norm_is_folded_by_what_it_computes():
     want = linear(norm(x))
     folded = fold_norm_affine(norm, [linear])  # γ = 1 + w, found on a probe
     torch.testing.assert_close(linear(folded(x)), want, rtol=1e-12, atol=1e-12)
+    # Code reading the norm's weight finds the value at which it multiplies by 1: w = 0.
+    assert torch.equal(folded.weight, torch.zeros(16, dtype=torch.float64))
     # Another offset, another eps (the probe has rows whose mean square is eps) and a gated
     # norm are refused, the Linear untouched.
     for other in (OffsetRMSNorm(16, offset=0.5), OffsetRMSNorm(16, gate=True)):
