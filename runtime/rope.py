@@ -195,4 +195,3 @@ def attach_rotary(attention: nn.Module) -> None:
         _FORWARDS[key] = _with_global(type(attention).forward, NAME, _replacement_for(original))
     # A partial, not a bound method: a deep copy of the model binds the copy.
     attention.forward = functools.partial(_FORWARDS[key], attention)
-
