@@ -85,6 +85,11 @@ def rotary(q, k, cos, sin, unsqueeze_dim=1):
     pays (CUDA under autocast, cos and sin float32), else eager's own ops."""
     if not _kernel_runs(q, k, cos, sin, unsqueeze_dim):
         return _reference(q, k, cos, sin, unsqueeze_dim)
+    return _kernels(q, k, cos, sin)
+
+
+def _kernels(q, k, cos, sin):
+    """(q, k) rotated by the kernels, written in the autocast dtype."""
     return _Rotary.apply(q, k, cos, sin, torch.get_autocast_dtype(q.device.type))
 
 
@@ -121,8 +126,7 @@ def _replacement_for(original):
                 or not _kernel_runs(a["q"], a["k"], a["cos"], a["sin"],
                                     a.get("unsqueeze_dim", 1)):
             return original(*args, **kwargs)
-        return _Rotary.apply(a["q"], a["k"], a["cos"], a["sin"],
-                             torch.get_autocast_dtype(a["q"].device.type))
+        return _kernels(a["q"], a["k"], a["cos"], a["sin"])
 
     return apply_rotary_pos_emb
 
