@@ -14,7 +14,7 @@ from .cache import cache_dir, load, load_source
 from .calibrate import calibrate
 from .compress import Report, compress
 from .compressed import LeanLinear
-from .norms import MSLayerNorm, MSRMSNorm, QMSLayerNorm, QMSRMSNorm, fold_norm_affine, norm_ops
+from .norms import MSLayerNorm, MSRMSNorm, QMSLayerNorm, QMSRMSNorm, ms_norm, norm_ops
 from .policy import Policy
 from .policy import load as load_policy
 from .pooled import PooledConv2d
@@ -24,5 +24,5 @@ from .sparse import SparseConv2d, SparseLinear
 __all__ = ["LeanLinear", "MSLayerNorm", "MSRMSNorm", "Policy", "PooledConv2d", "QConv2d",
            "QLinear", "QMSLayerNorm", "QMSRMSNorm", "Report", "SavedBytes", "SparseConv2d",
            "SparseLinear", "account", "actnn_ops", "cache_dir", "calibrate", "compress",
-           "fold_norm_affine", "load", "load_policy", "load_source", "norm_ops", "qconv2d",
+           "load", "load_policy", "load_source", "ms_norm", "norm_ops", "qconv2d",
            "qlinear"]

@@ -26,7 +26,8 @@ from actdesign.designer.allocate import allocate, save_bits, save_stats
 from actdesign.errors import ActdesignError
 
 from .norms import _QMSNorm
-from .quantized import QConv2d, QLinear, whole
+from .quantized import QConv2d, QLinear
+from .sharing import whole
 
 
 def _layer_constants(layer, x):

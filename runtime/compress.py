@@ -1,15 +1,18 @@
 """`compress(model, policy)`: apply a policy to a model in place, and say what changed.
 
-Modules are replaced in their parents; every parameter object is kept (a folded norm's γ and
-β move into the Linear weights and biases after it, and the norm's own go away), so create
-the optimizer after compressing. Modules already compressed are not touched again, so
-compressing twice changes nothing. What a rule targets but cannot handle is left alone and
-listed with the reason.
+Modules are replaced in their parents and every parameter object is kept under its own name,
+so the state dict, the parameters' order and a checkpoint are the untouched model's.
+Modules already compressed are not touched again, so compressing twice changes nothing. What
+a rule targets but cannot handle is left alone and listed with the reason.
 
-Folding a norm needs one probe forward to see which layers read its output: pass
-`example_inputs` (a tensor, a tuple of positional arguments or a dict of keywords); a
-transformers model gets a small random batch when none is given. With a probe, the report
-also measures the bytes saved for the backward on that input, before and after.
+Plan, then apply: `plan` makes every decision, runs every probe and builds every replacement
+without changing the model; applying is assignments only (`edits`), taken back if one fails
+or the closing probe raises. So a refusal or a fault leaves the model as it was.
+
+Sharing a norm's x̂ with its readers needs one probe forward to see which layers read its
+output: pass `example_inputs` (a tensor, a tuple of positional arguments or a dict of
+keywords); a transformers model gets a small random batch when none is given. With a probe,
+the report also measures the bytes saved for the backward on that input, before and after.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from . import policy as policy_mod
 from .accounting import SavedBytes, account
 from .cache import load
 from .compressed import LeanLinear
+from .edits import Edit, apply_all, undo_all
 from .glu import MSGLU
-from .lm_loss import FusedLossHead, attach_fused_loss
-from .norms import _QMSNorm, fold_norm_affine
+from .lm_loss import FusedLossHead, plan_fused_loss
+from .norms import _QMSNorm, ms_norm
 from .pooled import PooledConv2d
 from .quantized import QConv2d, QLinear
-from .rope import attach_rotary
+from .rope import plan_rotary
 from .sparse import SparseConv2d, SparseLinear
 from .tables import table
 from .targets import activation_name, target_of
@@ -63,7 +67,8 @@ class Report:
                             for c in self.replaced],
                "skipped": [{"name": n, "type": t, "why": w} for n, t, w in self.skipped]}
         if self.before is not None:
-            out["probe_saved_bytes"] = {"before": self.before.total, "after": self.after.total}
+            out["probe_saved_bytes"] = {"before": self.before.total,
+                                        "after": None if self.after is None else self.after.total}
         return out
 
     def __str__(self) -> str:
@@ -73,7 +78,7 @@ class Report:
             lines.append(f"  {c.name}: {c.old} -> {c.new}")
         for name, kind, why in self.skipped:
             lines.append(f"  left alone {name} ({kind}): {why}")
-        if self.before is not None:
+        if self.before is not None and self.after is not None:
             b, a = self.before.total, self.after.total
             share = f", {1 - a / b:.1%} less" if b else ""
             lines.append(f"  saved for backward on the probe input: {_kib(b)} -> "
@@ -85,13 +90,42 @@ def _kib(n: int) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
-def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
+@dataclass
+class Plan:
+    """What `compress` would do: the report, and the edits that do it (assignments only)."""
+    report: Report
+    edits: list[Edit]
+    run: object = None  # the probe forward, when there is one
+
+
+def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
+             dry_run: bool = False) -> Report:
     """Apply `policy` (a preset such as "fewbit3+msnorm", a dict, a Policy or a .json file)
     to `model` in place. Returns a Report of what was replaced, what was left alone and why,
-    and, with a probe input, the bytes saved for the backward before and after."""
+    and, with a probe input, the bytes saved for the backward before and after. With
+    `dry_run`, only the report of the plan: the model is not changed. If anything fails, the
+    model is as it was."""
+    planned = plan(model, policy, example_inputs)
+    if dry_run:
+        return planned.report
+    apply_all(planned.edits)
+    if planned.run is not None:
+        try:
+            with torch.enable_grad():
+                planned.report.after, _ = account(model, planned.run)
+        except BaseException:
+            undo_all(planned.edits)
+            raise
+    return planned.report
+
+
+def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
+    """Every decision, probe and check of `compress`, and the replacements built, without
+    changing the model (probes may run it, and hooks added for them are removed)."""
     policy = policy_mod.load(policy)
     report = Report(policy.label)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    names = {m: name for name, m in model.named_modules()}
     chosen, report.skipped = match(model, policy)
     inputs = _probe_inputs(model, example_inputs)
     run = None if inputs is None else (lambda: models.call(model, inputs))
@@ -103,8 +137,9 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
     kept = set()
     if run is not None and codes:
         kept = inputs_kept_elsewhere(model, set(codes), run)
-    # module -> its replacement; the readers of norms keeping their output (exact) or codes
-    new, exact, sharing = _fold_norms(model, norms, run, report, codes)
+    # module -> its replacement; the readers of MS norms keeping x̂ (exact) or codes of it
+    new, exact, sharing, readers = _share_norms(model, policy, norms, run, report, codes)
+    edits, covered = [], set()  # covered: layers a GLU or a fused loss takes over
     for name, (m, rule) in chosen.items():
         if rule.apply == "msnorm":
             continue
@@ -112,18 +147,20 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
             # Its input is kept anyway (by an MS norm, or by attention for its backward):
             # codes of it would add bytes and noise, not save them. The exact layer, lean.
             new[m] = LeanLinear.from_module(m)
-            why = "an MS norm's output" if m in exact else "kept by another op"
+            why = "an MS norm's x̂" if m in exact else "kept by another op"
             report.replaced.append(Change(name, type(m).__name__, f"LeanLinear (its input "
                                           f"is {why}, kept anyway: no codes)"))
             continue
         try:
             if rule.apply == "fused_ce":  # the model itself: its forward computes the loss
-                head = attach_fused_loss(m, rule.option("chunk_size"), _with_labels(inputs))
+                head, fused = plan_fused_loss(m, rule.option("chunk_size"), _with_labels(inputs))
+                edits += fused
+                covered.add(m.get_output_embeddings())
                 report.replaced.append(Change(head, "Linear", "FusedLossHead (the loss is "
                                               "computed chunk by chunk: no logits kept)"))
                 continue
             if rule.apply == "rope":  # the module stays; its forward gets our rotation
-                attach_rotary(m)
+                edits.append(plan_rotary(m))
                 report.replaced.append(Change(name, type(m).__name__, "rotary embedding in "
                                               "one kernel per tensor (CUDA, autocast)"))
                 continue
@@ -131,13 +168,17 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None) -> Report:
         except ActdesignError as exc:
             report.skipped.append((name or "(model)", type(m).__name__, str(exc)))
             continue
+        if rule.apply == "msglu":
+            covered.update((m.gate_proj, m.up_proj, m.down_proj))
         report.replaced.append(Change(name, type(m).__name__, what))
-    _swap(model, new)
+    for reader in readers:  # no rule replaced it: it keeps the norm's x̂, exact and lean
+        if reader not in new and reader not in covered:
+            new[reader] = LeanLinear.from_module(reader)
+            report.replaced.append(Change(names[reader], type(reader).__name__,
+                                          "LeanLinear (keeps the MS norm's x̂, not its "
+                                          "output)"))
     report.replaced.sort(key=lambda c: order[c.name])
-    if run is not None:
-        with torch.enable_grad():
-            report.after, _ = account(model, run)
-    return report
+    return Plan(report, _swaps(model, new) + edits, run)
 
 
 def match(model, policy) -> tuple[dict, list]:
@@ -210,32 +251,33 @@ def _with_labels(inputs):
     return {"labels": inputs["input_ids"], **inputs}
 
 
-def _fold_norms(model, norms: dict, run, report, codes: dict) -> tuple[dict, set, set]:
-    """MS norms for the norms whose affine folds exactly, the layers reading outputs that
-    the norms keep, and those reading outputs that the norms keep as codes (when every
-    reader is an ActNN layer of one bit width, in `codes`); the rest are reported."""
-    new, exact, sharing = {}, set(), set()
+def _share_norms(model, policy, norms: dict, run, report, codes: dict):
+    """MS norms for the norms they can replace, sharing their parameters: (replacements, the
+    layers reading a norm that keeps x̂, those reading a norm that keeps codes of x̂ (when every
+    reader is an ActNN layer of one bit width, in `codes`), every such reader). A norm with
+    an affine is replaced where the probe shows that only Linear layers read its output, none
+    of them kept as it is by the policy; the rest are reported."""
+    new, exact, sharing, readers = {}, set(), set(), []
     plain = {n: m for n, m in norms.items() if _affine_free(m)}
-    folding = {n: m for n, m in norms.items() if n not in plain}
-    if folding and run is None:
-        for name, m in folding.items():
-            report.skipped.append((name, type(m).__name__, "folding its affine needs "
-                                   "example_inputs, to see which layers read its output"))
-        folding = {}
-    readers = norm_consumers(model, folding, run) if folding else {}
-    shared = _shared_weights(model)
+    affine = {n: m for n, m in norms.items() if n not in plain}
+    if affine and run is None:
+        for name, m in affine.items():
+            report.skipped.append((name, type(m).__name__, "sharing its x̂ with the layers "
+                                   "reading it needs example_inputs, to see which they are"))
+        affine = {}
+    uses = norm_consumers(model, affine, run) if affine else {}
     names = {r: n for n, r in model.named_modules()}
-    for name, m in {**plain, **folding}.items():
-        found = [] if name in plain else readers[name]
+    for name, m in {**plain, **affine}.items():
+        found = [] if name in plain else uses[name]
         if isinstance(found, list):
-            tied = [r for r in found if id(r.weight) in shared]
-            if tied:
-                found = "a layer reading it shares its weight with another module (tied)"
+            kept = [names[r] for r in found if _kept_by_policy(policy, names[r], r)]
+            if kept:
+                found = f"{kept[0]}, reading it, is kept as it is by the policy"
         if isinstance(found, str):
             report.skipped.append((name, type(m).__name__, found))
             continue
         try:
-            new[m] = fold_norm_affine(m, found)  # an affine-free norm has nothing to fold
+            new[m] = ms_norm(m)
         except ActdesignError as exc:
             report.skipped.append((name, type(m).__name__, str(exc)))
             continue
@@ -244,32 +286,29 @@ def _fold_norms(model, norms: dict, run, report, codes: dict) -> tuple[dict, set
         if found and len(layouts) == 1 and None not in layouts:
             bits, group_size = layouts.pop()
             new[m] = _QMSNorm.from_norm(new[m], bits=bits, group_size=group_size)
-            what = f"{type(new[m]).__name__} ({bits}-bit codes of its output, shared with " \
-                   "the layers reading it)"
+            what = f"{type(new[m]).__name__} ({bits}-bit codes of x̂"
             sharing.update(found)
         else:
+            what += " (keeps x̂ and rstd"
             exact.update(found)
-        into = f", affine folded into {', '.join(names[r] for r in found)}" if found else ""
-        report.replaced.append(Change(name, type(m).__name__, what + into))
-    return new, exact, sharing
+        readers += found
+        into = f", shared with {', '.join(names[r] for r in found)}" if found else ""
+        report.replaced.append(Change(name, type(m).__name__, what + into + ")"))
+    return new, exact, sharing, readers
+
+
+def _kept_by_policy(policy, name, layer) -> bool:
+    rule = _first_rule(policy, name, layer, "linear")
+    return rule is not None and rule.apply == "keep"
 
 
 def _affine_free(norm) -> bool:
     return getattr(norm, "weight", None) is None and getattr(norm, "bias", None) is None
 
 
-def _shared_weights(model) -> set:
-    """ids of parameters held by more than one module (tied weights)."""
-    seen, shared = set(), set()
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            (shared if id(p) in seen else seen).add(id(p))
-    return shared
-
-
 def _replacement(name, m, rule, codes, sharing) -> tuple[nn.Module, str]:
     """The module replacing `m` under `rule`, and what it is in words. `codes` and `sharing`
-    (from `_actnn_layers` and `_fold_norms`) say which Linear layers ActNN quantizes, and
+    (from `_actnn_layers` and `_share_norms`) say which Linear layers ActNN quantizes, and
     which of them read a norm's codes."""
     opts = dict(rule.options)
     if rule.apply in ("fewbit", "pwl"):
@@ -340,9 +379,11 @@ def _spec_for(m, method: str, opts: dict) -> spec_mod.Spec:
     return spec
 
 
-def _swap(model, new: dict) -> None:
-    """Put each replacement wherever its module appears (shared modules too)."""
-    for name, m in list(model.named_modules(remove_duplicate=False)):
+def _swaps(model, new: dict) -> list[Edit]:
+    """The edits putting each replacement wherever its module appears (shared modules too)."""
+    edits = []
+    for name, m in model.named_modules(remove_duplicate=False):
         if m in new:
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, new[m])
+            edits.append(Edit(model.get_submodule(parent), attr, new[m]))
+    return edits

@@ -19,6 +19,7 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 
+from .sharing import kept_for, rebuild
 from .targets import is_hf_conv1d
 
 
@@ -54,14 +55,19 @@ class _CompressedInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, dtype):
         y = layer.dense_forward(x, weight.to(dtype), bias)
-        ctx.save_for_backward(weight, *layer.compress(x))  # x itself: it may carry codes
+        saved, affine = (), None
+        if ctx.needs_input_grad[1]:  # only the weight gradient reads x; a frozen one, nothing
+            kept, affine = kept_for(x)  # an MS norm's x̂ in place of its output, where offered
+            saved = layer.compress(kept)  # x itself: it may carry codes
+        ctx.save_for_backward(weight, *(affine or (None, None)), *saved)
         ctx.layer, ctx.shape, ctx.dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
-        ctx.weight_dtype = dtype
+        ctx.weight_dtype, ctx.rebuilds = dtype, affine is not None
         return y
 
     @staticmethod
     def backward(ctx, g):
-        weight, *saved = ctx.saved_tensors
+        weight, *rest = ctx.saved_tensors
+        affine, saved = rest[:2], rest[2:]
         layer = ctx.layer
         grad_x = grad_w = grad_b = None
         with torch.autocast(g.device.type, enabled=False):  # as in the forward
@@ -69,7 +75,8 @@ class _CompressedInput(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = layer.input_grad(ctx.shape, cast, g)
             if ctx.needs_input_grad[1]:
-                x = layer.restore(saved, ctx.shape, ctx.dtype)
+                x = rebuild(layer.restore(saved, ctx.shape, ctx.dtype),
+                            affine if ctx.rebuilds else None, ctx.dtype)
                 grad_w = layer.weight_grad(x, cast, g).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(tuple(i for i in range(g.dim()) if i != layer.channel_dim(g)))

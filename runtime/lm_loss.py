@@ -22,6 +22,7 @@ cross-entropy in float32, as eager transformers does; the weight is cast per cal
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 
@@ -33,7 +34,9 @@ from actdesign.codegen.render import render_lm_loss
 from actdesign.errors import ActdesignError
 
 from .cache import generated
-from .compressed import autocast_casts
+from .compressed import LeanLinear, autocast_casts
+from .edits import Edit, apply_all
+from .sharing import kept_for, rebuild
 from .targets import is_causal_lm
 
 
@@ -99,25 +102,30 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         nll = torch.empty_like(lse)
         for a, b in _chunks(hidden.shape[0], chunk_size):
             ops.row_losses(hidden[a:b] @ w.T, targets[a:b], ignore_index, lse[a:b], nll[a:b])
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        kept, affine = kept_for(hidden)  # a final MS norm's x̂, where it offers it
+        ctx.save_for_backward(kept, weight, targets, lse, *(affine or (None, None)))
         ctx.ignore_index, ctx.chunk_size, ctx.dtype = ignore_index, chunk_size, dtype
+        ctx.hidden_dtype, ctx.rebuilds = hidden.dtype, affine is not None
         return nll.sum()
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        kept, weight, targets, lse, *affine = ctx.saved_tensors
+        affine = affine if ctx.rebuilds else None
         ops, w, wide = loss_ops(), weight.to(ctx.dtype), _wide(ctx.dtype)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_hidden = torch.empty(kept.shape, dtype=ctx.hidden_dtype, device=kept.device) \
+            if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(w.shape, dtype=wide, device=w.device) \
             if ctx.needs_input_grad[1] else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            for a, b in _chunks(hidden.shape[0], ctx.chunk_size):
-                dz = ops.logits_grad_(hidden[a:b] @ w.T, targets[a:b], ctx.ignore_index,
+        with torch.autocast(kept.device.type, enabled=False):
+            for a, b in _chunks(kept.shape[0], ctx.chunk_size):
+                hidden = rebuild(kept[a:b], affine, ctx.hidden_dtype)  # a chunk at a time
+                dz = ops.logits_grad_(hidden @ w.T, targets[a:b], ctx.ignore_index,
                                       lse[a:b], grad_total)
                 if grad_hidden is not None:
                     torch.mm(dz, w, out=grad_hidden[a:b])
                 if grad_weight is not None:
-                    grad_weight += dz.T @ hidden[a:b]
+                    grad_weight += dz.T @ hidden
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
@@ -125,31 +133,39 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 # --- transformers causal LMs --------------------------------------------------------------
 
-class FusedLossHead(nn.Module):
+class FusedLossHead(LeanLinear):
     """A causal LM's output projection, holding the same weight. Called normally it returns
-    the logits, as the Linear it replaces did; while the model's fused-loss forward runs it
-    returns the hidden states, from which the loss is computed without logits."""
+    the logits, as the Linear it replaces did (exact, and lean: it reads a final MS norm's x̂);
+    while the model's fused-loss forward runs it returns the hidden states, from which the loss
+    is computed without logits."""
 
-    def __init__(self, head: nn.Linear, chunk_size: int | None = None):
-        super().__init__()
-        self.weight = head.weight
-        self.in_features, self.out_features = head.in_features, head.out_features
+    def __init__(self, in_features, out_features, bias=True, *, chunk_size=None, device=None,
+                 dtype=None):
+        super().__init__(in_features, out_features, bias, device, dtype)
         self.chunk_size = chunk_size
         self.deferred = False
 
     def forward(self, hidden):
-        return hidden if self.deferred else F.linear(hidden, self.weight)
+        return hidden if self.deferred else super().forward(hidden)
+
+    @contextlib.contextmanager
+    def deferring(self):
+        self.deferred = True
+        try:
+            yield
+        finally:
+            self.deferred = False
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, fused loss"
+        return super().extra_repr() + ", fused loss"
 
 
-def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None) -> str:
-    """Make a transformers causal LM compute its training loss (the forward given `labels`)
-    with fused_linear_cross_entropy; without labels it behaves exactly as before. Returns the
-    head's name. Refused, with nothing changed, when the loss cannot be reproduced: a head
-    with a bias, logit soft-capping in the config, or (with `probe`, a dict of
-    inputs with labels) a probe loss that differs from the model's own. The forward's own
+def plan_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None):
+    """(the head's name, the edits that make a transformers causal LM compute its training
+    loss, the forward given `labels`, with fused_linear_cross_entropy). Without labels it
+    behaves exactly as before. Nothing is changed here. Refused when the loss cannot be
+    reproduced: a head with a bias, logit soft-capping in the config, or (with `probe`, a dict
+    of inputs with labels) a probe loss that differs from the model's own. The forward's own
     code runs unchanged, with the head returning the hidden states, so a scale the forward
     applies to the logits is applied to the hidden states instead: the same loss."""
     if not is_causal_lm(model):
@@ -166,45 +182,72 @@ def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=Non
     if getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
         raise ActdesignError("its config sets final_logit_softcapping, a transform of the "
                              "logits the fused loss does not reproduce")
-    name = next(n for n, m in model.named_modules() if m is head)
-    parent, _, attr = name.rpartition(".")
-    fused = FusedLossHead(head, chunk_size)
-    original = model.forward
-    own = model.__dict__.get("forward")  # a forward set on the instance, kept on refusal
-    setattr(model.get_submodule(parent), attr, fused)
-    # Kept on the model, not in a closure, so that a deep copy runs its own copies.
-    model.unfused_forward = original
-    model.forward = types.MethodType(_fused_forward, model)
+    if "unfused_forward" in model.__dict__:
+        raise ActdesignError("its forward is already replaced on the instance")
     if probe is not None:
-        expected, got = _probe_losses(model, original, probe)
+        expected, got = _probe_losses(model, head, chunk_size, probe)
         tolerance = 64 * torch.finfo(expected.dtype).eps * max(1.0, abs(expected.item()))
         if not abs(got.item() - expected.item()) <= tolerance:  # NaN fails too
-            setattr(model.get_submodule(parent), attr, head)
-            del model.unfused_forward
-            if own is None:
-                del model.forward  # the class's own forward again
-            else:
-                model.forward = own
             raise ActdesignError(f"on a probe batch the fused loss ({got.item():.6g}) differs "
                                  f"from the model's own ({expected.item():.6g}): its forward "
                                  "transforms the logits after the head")
+    name = next(n for n, m in model.named_modules() if m is head)
+    parent, _, attr = name.rpartition(".")
+    fused = FusedLossHead.from_module(head, chunk_size=chunk_size)
+    # The original kept on the model, not in a closure, so that a deep copy runs its own.
+    return name, [Edit(model.get_submodule(parent), attr, fused),
+                  Edit(model, "unfused_forward", model.forward),
+                  Edit(model, "forward", types.MethodType(_fused_forward, model))]
+
+
+def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None) -> str:
+    """Apply `plan_fused_loss` to the model; returns the head's name."""
+    name, edits = plan_fused_loss(model, chunk_size, probe)
+    apply_all(edits)
     return name
 
 
-def _probe_losses(model, original, probe):
-    """(the model's own loss, the fused one) on the probe, in eval mode (no dropout)."""
-    training = model.training
+@contextlib.contextmanager
+def _eval_mode(model):
+    """The model in eval mode (no dropout), each module's own mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        with torch.no_grad():
-            return original(**probe).loss, model(**probe).loss
+        yield
     finally:
-        model.train(training)
+        for m, training in modes:
+            m.training = training
+
+
+@contextlib.contextmanager
+def _returning_input(head):
+    """The head returns its input while open, through a hook removed after."""
+    handle = head.register_forward_hook(lambda module, args, output: args[0])
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _probe_losses(model, head, chunk_size, probe):
+    """(the model's own loss, the fused one) on the probe, in eval mode (no dropout)."""
+    with _eval_mode(model), torch.no_grad():
+        expected = model(**probe).loss
+        got = _fused_call(model.forward, head.weight, chunk_size,
+                          lambda: _returning_input(head), (), probe).loss
+    return expected, got
 
 
 def _fused_forward(self, *args, **kwargs):
     """A causal LM's forward whose loss, given labels, is fused with its head."""
-    original, head = self.unfused_forward, self.get_output_embeddings()
+    head = self.get_output_embeddings()
+    return _fused_call(self.unfused_forward, head.weight, head.chunk_size, head.deferring,
+                       args, kwargs)
+
+
+def _fused_call(original, weight, chunk_size, deferring, args, kwargs):
+    """`original(*args, **kwargs)` with its loss fused: while `deferring()` is open the head
+    returns the hidden states, and the loss is computed from them with `weight`."""
     signature = inspect.signature(original)
     bound = signature.bind(*args, **kwargs)
     extra = bound.arguments.get(_var_keyword(signature), {})
@@ -218,16 +261,13 @@ def _fused_forward(self, *args, **kwargs):
     if not (isinstance(keep, int) and keep == 0):
         raise ActdesignError("the fused loss covers every position: logits_to_keep must "
                              "be 0 when labels are given")
-    head.deferred = True
-    try:
+    with deferring():
         out = original(*bound.args, **bound.kwargs)
-    finally:
-        head.deferred = False
     hidden = out[0] if isinstance(out, tuple) else out.logits
     loss = fused_linear_cross_entropy(
-        hidden, head.weight, labels if shift_labels is None else None,
+        hidden, weight, labels if shift_labels is None else None,
         shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
-        ignore_index=extra.get("ignore_index", -100), chunk_size=head.chunk_size)
+        ignore_index=extra.get("ignore_index", -100), chunk_size=chunk_size)
     if isinstance(out, tuple):  # logits are not materialised: (loss, *the rest)
         return (loss, *out[1:])
     out.loss, out.logits = loss, None

@@ -1,10 +1,12 @@
-"""Memory-sharing norms (MS-BP) as modules, and folding a norm's affine into the Linear layers
-that follow it.
+"""Memory-sharing norms (MS-BP) as modules that keep their parameters.
 
-An MS norm has no affine parameters and keeps, for its backward, only its output y and one
-rstd per row. The Linear layers reading y keep that same tensor for their weight gradient, so
-y is stored once. Under autocast the norm emits y in the autocast dtype, the dtype those
-Linear layers compute in, so autocast makes no second copy.
+An MS norm computes y = x̂·γ + β, x̂ the normalised input, and keeps for its backward only x̂
+and one rstd per row, never x. The layers reading y (LeanLinear, QLinear, MS-GLU's
+projections, the fused loss) keep a reference to that same x̂ and rebuild y in their
+backward, so x̂ is stored once for the block. γ and β stay the norm's own parameters, under
+their own names: the state dict, the optimizer and the training run are the untouched model's.
+Under autocast the norm emits x̂ and y in the autocast dtype, the dtype its readers compute
+in, so no cast makes a second copy.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from actdesign.errors import ActdesignError
 
 from .cache import generated
 from .quantized import _QuantizedInput
-from .targets import is_hf_conv1d, linear_like
+from .sharing import offer
 
 
 def norm_ops():
@@ -28,9 +30,13 @@ def norm_ops():
 
 
 class _MSNorm(nn.Module):
+    """y = x̂·γ + β over the last dimension; γ is `weight` (or 1 + `weight` with
+    `unit_offset`, as Gemma's norms compute), 1 without one; β is `bias`, 0 without one."""
+
     kind = ""
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-5):
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, weight=None, bias=None,
+                 unit_offset: bool = False):
         super().__init__()
         if isinstance(normalized_shape, tuple | list):
             if len(normalized_shape) != 1:
@@ -38,6 +44,24 @@ class _MSNorm(nn.Module):
             (normalized_shape,) = normalized_shape
         self.normalized_shape = int(normalized_shape)
         self.eps = float(eps)
+        self.register_parameter("weight", weight)  # the original's own, or None
+        self.register_parameter("bias", bias)
+        self.unit_offset = unit_offset
+
+    @classmethod
+    def from_norm(cls, norm: nn.Module) -> _MSNorm:
+        """The MS norm computing what `norm` computes (an nn.LayerNorm, nn.RMSNorm or an
+        HF-style RMSNorm, found by a probe), holding the same parameters under the same
+        names. Refused with the reason for anything else."""
+        kind, d, eps, weight, bias, unit_offset = _affine(norm)
+        return (MSLayerNorm if kind == "layer" else MSRMSNorm)(
+            d, eps, weight=weight, bias=bias, unit_offset=unit_offset)
+
+    def gamma(self):
+        """γ as a tensor, or None for 1. 1 + w is formed in float32 at least, as Gemma does."""
+        if self.weight is None or not self.unit_offset:
+            return self.weight
+        return 1.0 + self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1:] != (self.normalized_shape,):
@@ -46,137 +70,114 @@ class _MSNorm(nn.Module):
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
             else x.dtype
-        return self._normalize(x, out_dtype)
+        return self._normalize(x, out_dtype, self.gamma(), self.bias)
 
-    def _normalize(self, x, out_dtype):
-        return norm_ops().apply(self.kind, x, self.eps, out_dtype)
+    def _normalize(self, x, out_dtype, gamma, bias):
+        def offered(y, xhat):
+            offer(y, xhat, gamma, bias)
+
+        affine = gamma is not None or bias is not None
+        return norm_ops().apply(self.kind, x, self.eps, out_dtype, gamma, bias,
+                                on_output=offered if affine else None)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"
+        affine = "" if self.weight is None else \
+            ", γ = 1 + weight" if self.unit_offset else ", γ = weight"
+        return f"{self.normalized_shape}, eps={self.eps}{affine}" + \
+            (", β = bias" if self.bias is not None else "")
 
 
 class MSLayerNorm(_MSNorm):
-    """y = (x - mean) / sqrt(var + eps) over the last dimension; saves y and rstd only."""
+    """(x - mean) / sqrt(var + eps)·γ + β over the last dimension; keeps x̂ and rstd only."""
 
     kind = "layer"
 
 
 class MSRMSNorm(_MSNorm):
-    """y = x / sqrt(mean(x²) + eps) over the last dimension; saves y and rstd only."""
+    """x / sqrt(mean(x²) + eps)·γ over the last dimension; keeps x̂ and rstd only."""
 
     kind = "rms"
 
 
+def ms_norm(norm: nn.Module) -> _MSNorm:
+    """The MS norm for `norm`, sharing its parameters: see `_MSNorm.from_norm`."""
+    return _MSNorm.from_norm(norm)
+
+
 class _QMSNorm(_QuantizedInput, _MSNorm):
-    """An MS norm keeping b-bit ActNN codes of y in place of y (lossy: ActNN policies).
+    """An MS norm keeping b-bit ActNN codes of x̂ in place of x̂ (lossy: ActNN policies).
 
-    The QLinear layers reading y keep the same codes for their weight gradients (see
-    `_QuantizedInput.share`), so the block keeps b bits per element of y, not 16 or 32. The
-    backward runs the MS-BP formula on the dequantized ŷ, which is unbiased. Its noise reaches
-    the input gradient through the projection term ŷ·mean(g·ŷ) only: a row mean, about
-    1/sqrt(d) of g where g and y are uncorrelated. That term's diagonal ŷ_i·g_i·ŷ_i/d has
-    the mean (y_i² + Var ŷ_i)·g_i/d, so E[dx_i] = dx_i - rstd·g_i·Var(ŷ_i)/d: a shrink by
-    Var(ŷ_i)/d, which no function of the codes can undo."""
+    The QLinear layers reading y keep the same codes (see `_QuantizedInput.share`) and rebuild
+    ŷ = affine(x̂̂) from them, so the block keeps b bits per element, not 16 or 32. The
+    backward runs the MS-BP formula on the dequantized x̂̂, which is unbiased, and dγ = Σ g·x̂̂
+    is unbiased too. The noise reaches the input gradient through the projection term
+    x̂̂·mean(h·x̂̂) only (h = γ·g): a row mean, about 1/sqrt(d) of h where h and x̂ are
+    uncorrelated. That term's diagonal x̂̂_i·h_i·x̂̂_i/d has the mean (x̂_i² + Var x̂̂_i)·h_i/d,
+    so E[dx_i] = dx_i - rstd·h_i·Var(x̂̂_i)/d: a shrink by Var(x̂̂_i)/d, which no function of
+    the codes can undo."""
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, bits=2, group_size=256):
-        _MSNorm.__init__(self, normalized_shape, eps)
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, bits=2, group_size=256,
+                 **affine):
+        _MSNorm.__init__(self, normalized_shape, eps, **affine)
         self._setup(bits, group_size)
 
     @staticmethod
     def from_norm(norm: _MSNorm, *, bits=2, group_size=256) -> _QMSNorm:
-        """The MS norm `norm` computes, keeping b-bit codes of its output."""
+        """The MS norm `norm` computes, with its parameters, keeping b-bit codes of x̂."""
         cls = QMSLayerNorm if norm.kind == "layer" else QMSRMSNorm
-        coded = cls(norm.normalized_shape, norm.eps, bits=bits, group_size=group_size)
-        for name, buffer in norm.named_buffers(recurse=False):  # the identity affine, if any
-            coded.register_buffer(name, buffer, persistent=False)
-        return coded
+        return cls(norm.normalized_shape, norm.eps, bits=bits, group_size=group_size,
+                   weight=norm.weight, bias=norm.bias, unit_offset=norm.unit_offset)
 
-    def _normalize(self, x, out_dtype):
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _KeepingCodes.apply(x, self, out_dtype)
-        return super()._normalize(x, out_dtype)  # nothing to keep
+    def _normalize(self, x, out_dtype, gamma, bias):
+        if torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (x, gamma, bias)):
+            return _KeepingCodes.apply(x, gamma, bias, self, out_dtype)
+        return super()._normalize(x, out_dtype, gamma, bias)  # nothing to keep codes for
 
 
 class QMSLayerNorm(_QMSNorm, MSLayerNorm):
-    """MSLayerNorm keeping b-bit codes of its output."""
+    """MSLayerNorm keeping b-bit codes of x̂."""
 
 
 class QMSRMSNorm(_QMSNorm, MSRMSNorm):
-    """MSRMSNorm keeping b-bit codes of its output."""
+    """MSRMSNorm keeping b-bit codes of x̂."""
 
 
 class _KeepingCodes(torch.autograd.Function):
-    """An MS norm whose backward reads rstd and the codes of y; y goes to its readers with
-    the codes attached."""
+    """An MS norm whose backward reads rstd and the codes of x̂; x̂ carries the codes to the
+    readers of y, and y tells them of x̂."""
 
     @staticmethod
-    def forward(ctx, x, norm, out_dtype):
-        forward, _ = norm_ops().IMPLS[norm.kind]
-        y, rstd = forward(x, norm.eps, out_dtype)
-        codes = norm.compress(y)
-        norm.share(y, codes)
-        ctx.save_for_backward(rstd, *codes)
+    def forward(ctx, x, gamma, bias, norm, out_dtype):
+        ops = norm_ops()
+        xhat, rstd = ops.IMPLS[norm.kind][0](x, norm.eps, out_dtype)
+        codes = norm.compress(xhat)
+        norm.share(xhat, codes)
+        y = xhat
+        if gamma is not None or bias is not None:
+            y = ops.affine(xhat, gamma, bias, out_dtype)
+            offer(y, xhat, gamma, bias)
+        ctx.save_for_backward(rstd, gamma, *codes)
         ctx.norm, ctx.shape, ctx.dtype, ctx.input_dtype = norm, y.shape, y.dtype, x.dtype
+        ctx.param_dtypes = tuple(None if t is None else t.dtype for t in (gamma, bias))
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        rstd, *codes = ctx.saved_tensors
-        y = ctx.norm.restore(codes, ctx.shape, ctx.dtype)
-        _, backward = norm_ops().IMPLS[ctx.norm.kind]
-        return backward(y, rstd, grad_y.to(ctx.input_dtype)), None, None
-
-
-def fold_norm_affine(norm: nn.Module, linears, *, feeds_residual: bool = False) -> _MSNorm:
-    """Move a LayerNorm's or RMSNorm's γ (and β) into the Linear layers that read its output,
-    exactly: W' = W·diag(γ), b' = b + W·β. Returns the MS norm to put in the norm's place.
-
-    `linears` must be every consumer of the norm's output (the q/k/v projections of a pre-norm
-    attention block, the first MLP layer). In a post-norm block the output also feeds the
-    residual, which would lose γ and β: say so with `feeds_residual=True`, and the fold is
-    refused rather than producing a different model. Linear weights shared with other modules
-    (tied weights) change with the fold. A norm without γ and β needs no layers.
-    """
-    if feeds_residual:
-        raise ActdesignError("this norm's output also feeds the residual (a post-norm block): "
-                             "its γ and β cannot move into the Linear layers alone; keep the "
-                             "norm, or use a pre-norm block")
-    kind, d, eps, gamma, beta, unit = _affine(norm)
-    linears = list(linears)
-    affine = gamma is not None or beta is not None
-    if (affine and not linears) or not all(linear_like(m) for m in linears):
-        raise ActdesignError("fold_norm_affine needs the nn.Linear layers that read the norm")
-    for m in linears:
-        inputs = m.weight.shape[0 if is_hf_conv1d(m) else 1]
-        if inputs != d:
-            raise ActdesignError(f"a Linear with {inputs} inputs cannot follow a norm "
-                                 f"over {d} features")
-    with torch.no_grad():
-        for m in linears:
-            weight = m.weight.T if is_hf_conv1d(m) else m.weight  # (out, in) either way
-            if beta is not None:
-                shift = weight.double() @ beta.double()
-                if m.bias is None:
-                    m.bias = nn.Parameter(shift.to(weight.dtype))
-                else:
-                    m.bias.add_(shift.to(m.bias.dtype))
-            if gamma is not None:
-                weight.mul_(gamma.to(weight.dtype)[None, :])
-    ms = (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps)  # no parameters to move
-    # Code that reads a norm's affine itself (nn.TransformerEncoderLayer's inference path
-    # does) finds the original's at the values that make it the identity: the norm it is.
-    # Buffers, not parameters, and not saved: the folded Linear layers hold the trained γ.
-    for name, value in (("weight", unit), ("bias", 0.0)):
-        original = getattr(norm, name, None)
-        if isinstance(original, torch.Tensor):
-            ms.register_buffer(name, torch.full_like(original, value, requires_grad=False),
-                               persistent=False)
-    return ms
+        rstd, gamma, *codes = ctx.saved_tensors
+        xhat = ctx.norm.restore(codes, ctx.shape, ctx.dtype)
+        want = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        dx, sums = norm_ops().backward_impl(ctx.norm.kind, xhat, rstd,
+                                            grad_y.to(ctx.input_dtype), gamma, want)
+        dw, db = (None, None) if sums is None else (
+            sums[i].to(dtype) if dtype is not None and ctx.needs_input_grad[1 + i] else None
+            for i, dtype in enumerate(ctx.param_dtypes))
+        return dx, dw, db, None, None
 
 
 def _affine(norm: nn.Module):
-    """(kind, features, eps, γ or None, β or None, the weight's value for γ = 1) of a
+    """(kind, features, eps, weight or None, bias or None, whether γ = 1 + weight) of a
     supported norm."""
     if isinstance(norm, nn.LayerNorm):
         shape, eps, kind = norm.normalized_shape, norm.eps, "layer"
@@ -189,23 +190,23 @@ def _affine(norm: nn.Module):
             eps = torch.finfo(weight.dtype if weight is not None else torch.float32).eps
         kind = "rms"
     else:
-        raise ActdesignError(f"cannot fold a {type(norm).__name__}: supported are nn.LayerNorm, "
-                             "nn.RMSNorm and RMSNorm modules computing x·rsqrt(mean(x²)+eps)·w")
+        raise ActdesignError(f"no MS norm computes a {type(norm).__name__}: supported are "
+                             "nn.LayerNorm, nn.RMSNorm and RMSNorm modules computing "
+                             "x·rsqrt(mean(x²)+eps)·w")
     if len(shape) != 1:
         raise ActdesignError("MS norms normalise over the last dimension only")
-    gamma = getattr(norm, "weight", None)
-    beta = getattr(norm, "bias", None) if kind == "layer" else None
-    unit = 1.0  # the value of its weight at which the norm multiplies by 1
+    weight = getattr(norm, "weight", None)
+    bias = getattr(norm, "bias", None) if kind == "layer" else None
+    unit_offset = False
     if kind == "rms" and not isinstance(norm, nn.RMSNorm):
-        gamma, unit = _rms_scale(norm, shape[0], float(eps))
-    return kind, shape[0], float(eps), gamma, beta, unit
+        unit_offset = _rms_scale(norm, shape[0], float(eps))
+    return kind, shape[0], float(eps), weight, bias, unit_offset
 
 
-def _rms_scale(norm: nn.Module, d: int, eps: float):
-    """The γ that another library's RMSNorm multiplies x·rsqrt(mean(x²)+eps) by, found by
-    what it computes on a probe: its weight w (LLaMA), 1 + w (Gemma, Qwen3-Next) or nothing
-    (no weight); and the weight's value at which γ = 1. Anything else, a gate or another eps
-    among them, is refused."""
+def _rms_scale(norm: nn.Module, d: int, eps: float) -> bool:
+    """Whether another library's RMSNorm multiplies x·rsqrt(mean(x²)+eps) by 1 + w (Gemma,
+    Qwen3-Next) rather than by its weight w (LLaMA) or by nothing (no weight), found by what
+    it computes on a probe. Anything else, a gate or another eps among them, is refused."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, d, generator=gen, dtype=torch.float64)
     x[2:] *= eps ** 0.5 if eps > 0 else 1e-3  # rows whose mean square is eps: eps shows
@@ -217,18 +218,15 @@ def _rms_scale(norm: nn.Module, d: int, eps: float):
         raise ActdesignError(f"its forward does not take one tensor x ({type(exc).__name__}: "
                              f"{exc})") from None
     normalised = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    w, own = getattr(probe, "weight", None), getattr(norm, "weight", None)
-    if w is not None:
-        w, own = w.detach(), own.detach()
-        wide = own.to(torch.promote_types(own.dtype, torch.float32))  # as Gemma: 1 + w.float()
-    # (γ, γ of the probe, the weight's value for γ = 1)
-    candidates = [(None, 1.0, 1.0)] if w is None else [(own, w, 1.0), (1.0 + wide, 1.0 + w, 0.0)]
-    for gamma, probed, unit in candidates:
+    w = getattr(probe, "weight", None)
+    # (γ of the probe, whether it is 1 + w)
+    candidates = [(1.0, False)] if w is None else [(w.detach(), False), (1.0 + w.detach(), True)]
+    for probed, unit_offset in candidates:
         want = normalised * (probed.double() if torch.is_tensor(probed) else probed)
         # float32 math: a few roundings of 2^-24 each; another formula misses by far more
         if isinstance(got, torch.Tensor) and got.shape == want.shape and \
                 torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
-            return gamma, unit
+            return unit_offset
     raise ActdesignError("it does not compute x·rsqrt(mean(x²)+eps)·γ with γ its weight, 1 + "
                          "its weight or 1 (checked on a probe)")
 

@@ -18,6 +18,7 @@ from actdesign.errors import ActdesignError
 
 from .cache import generated
 from .compressed import CompressedConv2d, CompressedLinear, compressed_call
+from .sharing import whole
 
 
 def actnn_ops():
@@ -26,16 +27,6 @@ def actnn_ops():
 
 
 _SHARED = "_actdesign_codes"  # the attribute carrying a tensor's codes to its readers
-
-
-def whole(x):
-    """The tensor of which x is a view of every element in the same layout (as `h[:, 0:]`
-    is: transformers slices the hidden states before the head), or x itself."""
-    base = x._base
-    if base is not None and (x.shape, x.stride(), x.storage_offset()) == (
-            base.shape, base.stride(), base.storage_offset()):
-        return base
-    return x
 
 
 class _QuantizedInput:

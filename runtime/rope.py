@@ -38,6 +38,7 @@ from actdesign.codegen.render import render_rope
 from actdesign.errors import ActdesignError
 
 from .cache import generated
+from .edits import Edit
 from .targets import ROTARY as NAME
 from .targets import rotary_function_of
 
@@ -183,9 +184,9 @@ def _contents(cell):
         return None
 
 
-def attach_rotary(attention: nn.Module) -> None:
-    """Make this attention module rotate q and k with `rotary`. Refused, with nothing
-    changed, when its forward does not call a standard apply_rotary_pos_emb."""
+def plan_rotary(attention: nn.Module) -> Edit:
+    """The edit that makes this attention module rotate q and k with `rotary` (nothing is
+    changed here). Refused when its forward does not call a standard apply_rotary_pos_emb."""
     original = rotary_function_of(attention)
     if original is None:
         raise ActdesignError(f"its forward does not call {NAME} from its modeling file")
@@ -198,4 +199,9 @@ def attach_rotary(attention: nn.Module) -> None:
     if key not in _FORWARDS:
         _FORWARDS[key] = _with_global(type(attention).forward, NAME, _replacement_for(original))
     # A partial, not a bound method: a deep copy of the model binds the copy.
-    attention.forward = functools.partial(_FORWARDS[key], attention)
+    return Edit(attention, "forward", functools.partial(_FORWARDS[key], attention))
+
+
+def attach_rotary(attention: nn.Module) -> None:
+    """Make this attention module rotate q and k with `rotary` (see `plan_rotary`)."""
+    plan_rotary(attention).apply()

@@ -132,5 +132,5 @@ def target_of(m: nn.Module) -> str | None:
 
 
 def linear_like(m: nn.Module) -> bool:
-    """Layers a norm's affine can fold into: y = x·Wᵀ + b over the last dimension."""
+    """Layers that can read an MS norm's x̂: y = x·Wᵀ + b over the last dimension."""
     return isinstance(m, nn.Linear) or is_hf_conv1d(m)

@@ -1,11 +1,12 @@
 """What one probe forward pass shows: which layers read a norm's output, and which layers'
 inputs autograd keeps for something else anyway.
 
-Folding a norm's γ and β into the layers after it is exact only if every use of the norm's
-output is the input of a Linear-like layer. One probe forward under a TorchFunctionMode sees
-every torch call on the output (and on row-preserving views of it: reshapes and basic
-indexing that keep the last dimension); a call anywhere else, or the output being returned
-from the model, blocks the fold and says why.
+An MS norm emits its output in the autocast dtype, and its readers keep its x̂ in place of
+the output; both are exact only if every use of the norm's output is the input of a
+Linear-like layer (which casts to that dtype anyway, and can be made to keep x̂). One probe
+forward under a TorchFunctionMode sees every torch call on the output (and on row-preserving
+views of it: reshapes and basic indexing that keep the last dimension); a call anywhere else,
+or the output being returned from the model, says why the norm stays as it is.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ class _Probe(TorchFunctionMode):
         self.consumers = {name: [] for name in norms}
         self.blocked = {}  # norm name -> why
         self.stack = []  # (module, its first input)
-        self.inputs = {}  # Linear-like module -> the norm (or None) of each call's input
 
     def watch(self, t, name):
         self.norm_of[id(t)] = name
@@ -118,15 +118,14 @@ def _module_hooks(model: torch.nn.Module, pre, post):
 
 
 def norm_consumers(model: torch.nn.Module, norms: dict, run) -> dict:
-    """{norm name: [the Linear-like modules reading its output] or a string saying why the
-    fold is not exact}. `norms` maps names to modules; `run()` does one forward of `model`."""
+    """{norm name: [the Linear-like modules reading its output] or a string saying why its
+    output has another use}. `norms` maps names to modules; `run()` does one forward of
+    `model`."""
     probe = _Probe(norms)
     by_module = {m: n for n, m in norms.items()}
 
     def pre(module, first):
         probe.stack.append((module, first))
-        if linear_like(module):
-            probe.inputs.setdefault(module, set()).add(probe.norm_of.get(id(first)))
 
     def post(module, output):
         probe.stack.pop()
@@ -147,8 +146,6 @@ def norm_consumers(model: torch.nn.Module, norms: dict, run) -> dict:
             result[name] = "the probe forward did not run it"
         elif not probe.consumers[name]:
             result[name] = "no Linear layer reads its output"
-        elif any(probe.inputs[m] != {name} for m in probe.consumers[name]):
-            result[name] = "a Linear layer reading it is also called on other inputs"
         else:
             result[name] = probe.consumers[name]
     return result

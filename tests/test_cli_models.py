@@ -54,7 +54,8 @@ def test_profile_user_model_table_json_and_plot(capsys, user):
     assert (user / "mem.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((user / "mem.json").read_text())
     assert data["compressed"]["saved_bytes"] < data["baseline"]["saved_bytes"]
-    assert {c["name"] for c in data["compress"]["replaced"]} == {"1", "3"}
+    # the norm, the Linear reading it (it keeps the norm's x̂) and the activation
+    assert {c["name"] for c in data["compress"]["replaced"]} == {"1", "2", "3"}
 
 
 def test_profile_json_to_stdout_and_file_builder(capsys, user):
@@ -73,7 +74,10 @@ def test_profile_builtin_config(capsys):
     assert code == 0, err
     assert "gpt2-tiny, policy fewbit3+msnorm, batch 2, sequence 16, bf16-autocast, on cpu" in out
     assert "transformer.h.1.mlp.act" in out
-    assert "left alone transformer.ln_f (LayerNorm): a layer reading it shares its weight" in out
+    # The final norm is shared with the head, which is tied to the embedding: nothing is
+    # left alone, and the head keeps nothing of its own.
+    assert "left alone" not in out
+    assert [float(v) for v in out.split("\nlm_head ")[1].split()[:2]] == [68.0, 0.0]
 
 
 def test_calibrate_writes_a_policy_compress_accepts(capsys, user):

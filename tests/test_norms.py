@@ -1,4 +1,7 @@
-"""Memory-sharing norms: gradients, the Triton kernels, one stored copy of y, and the fold."""
+"""Memory-sharing norms: gradients (of x, γ and β), the Triton kernels, one stored copy of x̂
+for the norm and its readers, and the rebuild of the norm's output bit for bit."""
+
+import copy
 
 import pytest
 import torch
@@ -6,12 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import MSLayerNorm, MSRMSNorm, fold_norm_affine, norm_ops
+from actdesign.runtime import LeanLinear, MSLayerNorm, MSRMSNorm, compress, ms_norm, norm_ops
+from actdesign.runtime.sharing import kept_for, rebuild
 
 NORMS = {"layer": (MSLayerNorm, nn.LayerNorm), "rms": (MSRMSNorm, nn.RMSNorm)}
 
 
-def reference_and_folded(kind, d=24, out=10, dtype=torch.float64, seed=0):
+def reference_and_shared(kind, d=24, out=10, dtype=torch.float64, seed=0):
+    """(torch's norm and a Linear, the MS norm holding the same parameters and a LeanLinear)."""
     torch.manual_seed(seed)
     ms_cls, ref_cls = NORMS[kind]
     norm = ref_cls(d, eps=1e-5).to(dtype)
@@ -20,30 +25,33 @@ def reference_and_folded(kind, d=24, out=10, dtype=torch.float64, seed=0):
         if kind == "layer":
             norm.bias.normal_()
     ref = nn.Sequential(norm, nn.Linear(d, out).to(dtype))
-    folded = nn.Sequential(nn.Identity(), nn.Linear(d, out).to(dtype))
-    folded[1].load_state_dict(ref[1].state_dict())
-    folded[0] = fold_norm_affine(norm, [folded[1]])
-    assert isinstance(folded[0], ms_cls)
-    return ref, folded
+    shared = nn.Sequential(ms_norm(norm), LeanLinear.from_module(ref[1]))
+    assert isinstance(shared[0], ms_cls) and shared[0].weight is norm.weight
+    return ref, shared
+
+
+def grads_of(model, x, g):
+    model.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    y = model(xi)
+    y.backward(g)
+    return [y.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("kind", sorted(NORMS))
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 def test_gradients_match_norm_affine_linear(kind, dtype, tol):
-    """Against autograd through torch's norm with its affine and the Linear. float32 sums of
-    24 terms: a few ulp; float64: rounding only."""
-    ref, folded = reference_and_folded(kind, dtype=dtype)
+    """Against autograd through torch's norm with its affine and the Linear: the output and
+    the gradients of x, γ, β and the Linear. float32 sums of 24 terms: a few ulp; float64:
+    rounding only."""
+    ref, shared = reference_and_shared(kind, dtype=dtype)
     x = torch.randn(3, 7, 24, dtype=dtype)
     g = torch.randn(3, 7, 10, dtype=dtype)
-    grads = []
-    for model in (ref, folded):
-        xi = x.clone().requires_grad_(True)
-        y = model(xi)
-        y.backward(g)
-        grads.append((y.detach(), xi.grad))
-    (y0, dx0), (y1, dx1) = grads
-    torch.testing.assert_close(y1, y0, rtol=tol, atol=tol)
-    torch.testing.assert_close(dx1, dx0, rtol=tol, atol=tol)
+    expected = grads_of(ref, x, g)
+    got = grads_of(shared, x, g)
+    assert [n for n, _ in shared.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("kind", sorted(NORMS))
@@ -53,45 +61,121 @@ def test_triton_kernels_match_the_torch_path(kind, dtype, d, monkeypatch):
     ops = norm_ops()
     x = (torch.randn(5, d, dtype=torch.float64) * 3 + 1).to(dtype)
     g = torch.randn(5, d, dtype=torch.float64).to(dtype)
-    results = {}
+    w = torch.rand(d, dtype=torch.float64).add(0.5).to(dtype)
+    b = torch.randn(d, dtype=torch.float64).to(dtype)
+    results, given = {}, None
     for backend in ("torch", "triton"):
         monkeypatch.setenv("ACTDESIGN_BACKEND", backend)
         y, rstd = ops.OPS[kind][0](x, 1e-5, dtype)
-        results[backend] = (y, rstd, ops.OPS[kind][1](y, rstd, g))
-    (y0, r0, dx0), (y1, r1, dx1) = results["torch"], results["triton"]
+        given = given or (y, rstd)  # the backward of both from the same x̂ and rstd
+        dx, sums = ops.backward_impl(kind, *given, g, w, affine_grads=True)
+        results[backend] = (y, rstd, ops.OPS[kind][1](*given, g), ops.affine(given[0], w, b),
+                            dx, sums)
+    (y0, r0, dx0, a0, dxw0, s0), (y1, r1, dx1, a1, dxw1, s1) = results["torch"], \
+        results["triton"]
     # Both compute in float32; only the order of the row sums differs.
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(r1, r0, rtol=1e-5, atol=0)
     torch.testing.assert_close(y1.double(), y0.double(), rtol=2 * eps, atol=2 * eps)
-    scale = dx0.double().abs().max().item() + 1
-    torch.testing.assert_close(dx1.double(), dx0.double(), rtol=4 * eps, atol=4 * eps * scale)
+    # x̂·γ + β from the same x̂: float32 math, one rounding to the dtype (the torch path
+    # rounds the product and the sum in float32, a fused multiply-add once).
+    torch.testing.assert_close(a1.double(), a0.double(), rtol=eps, atol=eps)
+    for dx_1, dx_0 in ((dx1, dx0), (dxw1, dxw0)):
+        scale = dx_0.double().abs().max().item() + 1
+        torch.testing.assert_close(dx_1.double(), dx_0.double(), rtol=4 * eps,
+                                   atol=4 * eps * scale)
+    # Σ g·x̂ and Σ g over 5 rows in float32, summed in another order.
+    torch.testing.assert_close(s1, s0, rtol=1e-5, atol=1e-5 * (s0.abs().max().item() + 1))
 
 
 @pytest.mark.parametrize("kind", sorted(NORMS))
 @pytest.mark.parametrize("autocast", [False, True])
-def test_one_copy_of_y_serves_the_norm_and_every_linear(kind, autocast, saved):
+def test_one_copy_of_xhat_serves_the_norm_and_every_reader(kind, autocast, saved):
     d, rows = 32, 6
-    norm = NORMS[kind][0](d)
-    q, k, v = (nn.Linear(d, d) for _ in range(3))
-    params = list(q.parameters()) + list(k.parameters()) + list(v.parameters())
+    ref = NORMS[kind][1](d)
+    norm = ms_norm(ref)
+    dense = [nn.Linear(d, d) for _ in range(3)]
+    lean = [LeanLinear.from_module(m) for m in dense]
+    params = [p for m in dense for p in m.parameters()] + list(ref.parameters())
     x = torch.randn(rows, d, requires_grad=True)
 
-    def block(norm):
+    def block(norm, readers):
         def run(x):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 y = norm(x)
-                return q(y) + k(y) + v(y)
+                return sum(r(y) for r in readers)
         return run
 
-    storages = saved(block(norm), x, params)
+    storages = saved(block(norm, lean), x, params)
     itemsize = 2 if autocast else 4
-    # y (once, in the dtype the Linear layers compute in) and rstd: nothing else, never x.
-    # Under autocast the Linear layers also keep their weights' bfloat16 copies.
-    weights = [d * d * 2] * 3 if autocast else []
-    assert sorted(storages.values()) == sorted([rows * 4, rows * d * itemsize, *weights])
-    baseline = nn.LayerNorm(d) if kind == "layer" else nn.RMSNorm(d)
-    more = saved(block(baseline), x, params + list(baseline.parameters()))
-    assert sum(more.values()) - sum(storages.values()) >= rows * d * itemsize  # x, at least
+    # x̂ (once, in the dtype the Linear layers compute in) and rstd: nothing else, never x,
+    # never y = x̂·γ + β, and no bfloat16 copies of the weights under autocast.
+    assert sorted(storages.values()) == sorted([rows * 4, rows * d * itemsize])
+    # Plain Linear layers keep y itself: one more copy. torch's own norm keeps x besides.
+    plain = saved(block(norm, dense), x, params)
+    assert sum(plain.values()) - sum(storages.values()) >= rows * d * itemsize
+    eager = saved(block(ref, lean), x, params)
+    assert sum(eager.values()) - sum(storages.values()) >= rows * d * itemsize
+    # A reader whose weight is frozen keeps nothing at all; with every reader frozen, only
+    # the norm's own x̂ and rstd remain.
+    for m in lean:
+        m.weight.requires_grad_(False)
+    assert sorted(saved(block(norm, lean), x, params).values()) == \
+        sorted([rows * 4, rows * d * itemsize])
+    frozen = saved(block(ref, lean), x, params)
+    assert sum(frozen.values()) < sum(eager.values())
+
+
+@pytest.mark.parametrize("kind", sorted(NORMS))
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_readers_rebuild_the_norms_output_bit_for_bit(kind, mode, backend, monkeypatch):
+    monkeypatch.setenv("ACTDESIGN_BACKEND", backend)
+    ref = NORMS[kind][1](40)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        if kind == "layer":
+            ref.bias.normal_()
+    norm = ms_norm(ref.to(torch.bfloat16 if mode == "bf16" else torch.float32))
+    x = torch.randn(3, 5, 40, dtype=norm.weight.dtype, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        y = norm(x)
+    assert y.dtype == (torch.float32 if mode == "fp32" else torch.bfloat16)
+    for view in (y, y[:, 0:], y.reshape(-1, 40)):
+        kept, affine = kept_for(view)
+        assert affine is not None and kept.untyped_storage().data_ptr() != \
+            y.untyped_storage().data_ptr()
+        assert torch.equal(rebuild(kept, affine, y.dtype), view)
+    assert kept_for(y[:, 1:])[1] is None  # a part of y: kept as it is
+    y.mul_(2)  # changed in place: the offer no longer holds
+    assert kept_for(y)[1] is None
+
+
+def test_sharing_a_two_block_pre_norm_transformer_changes_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block()).double()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.3)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    g = torch.randn(2, 9, 32, dtype=torch.float64)
+    ours = copy.deepcopy(model)
+    report = compress(ours, "msnorm", example_inputs=x)
+    assert sum(isinstance(m, MSLayerNorm) for m in ours.modules()) == 4, str(report)
+    assert sum(isinstance(m, LeanLinear) for m in ours.modules()) == 8  # q, k, v, fc1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                   ours.state_dict().values(), strict=True))
+    for a, b in zip(grads_of(ours, x, g), grads_of(model, x, g), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_norms_no_ms_norm_computes_are_refused():
+    with pytest.raises(ActdesignError, match="no MS norm computes a BatchNorm1d"):
+        ms_norm(nn.BatchNorm1d(8))
+    with pytest.raises(ActdesignError, match="last dimension"):
+        ms_norm(nn.LayerNorm((4, 8)))
 
 
 class Block(nn.Module):
@@ -114,45 +198,6 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-def test_folding_a_two_block_pre_norm_transformer_changes_nothing():
-    torch.manual_seed(0)
-    model = nn.Sequential(Block(), Block()).double()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.3)
-    x = torch.randn(2, 9, 32, dtype=torch.float64)
-    g = torch.randn(2, 9, 32, dtype=torch.float64)
-
-    def run():
-        xi = x.clone().requires_grad_(True)
-        y = model(xi)
-        y.backward(g)
-        return y.detach(), xi.grad
-
-    y0, dx0 = run()
-    for block in model:
-        block.ln1 = fold_norm_affine(block.ln1, [block.q, block.k, block.v])
-        block.ln2 = fold_norm_affine(block.ln2, [block.fc1])
-    assert all(not isinstance(m, nn.LayerNorm) for m in model.modules())
-    y1, dx1 = run()
-    torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(dx1, dx0, rtol=1e-12, atol=1e-12)
-
-
-def test_folds_that_would_change_the_model_are_refused():
-    norm = nn.LayerNorm(8)
-    with pytest.raises(ActdesignError, match="post-norm"):
-        fold_norm_affine(norm, [nn.Linear(8, 4)], feeds_residual=True)
-    with pytest.raises(ActdesignError, match="cannot follow"):
-        fold_norm_affine(norm, [nn.Linear(6, 4)])
-    with pytest.raises(ActdesignError, match="cannot fold a BatchNorm1d"):
-        fold_norm_affine(nn.BatchNorm1d(8), [nn.Linear(8, 4)])
-    with pytest.raises(ActdesignError, match="last dimension"):
-        fold_norm_affine(nn.LayerNorm((4, 8)), [nn.Linear(8, 4)])
-
-
 class OffsetRMSNorm(nn.Module):
     """Another library's RMSNorm, as Gemma and Qwen3-Next write it: x̂·(1 + w), w from 0."""
 
@@ -168,29 +213,26 @@ class OffsetRMSNorm(nn.Module):
         return x * (self.offset + self.weight)
 
 
-def test_an_rms_norm_is_folded_by_what_it_computes():
+def test_an_rms_norm_is_taken_by_what_it_computes():
     torch.manual_seed(0)
     norm = OffsetRMSNorm(16).double()
     with torch.no_grad():
         norm.weight.normal_(0, 0.5)
-    linear = nn.Linear(16, 8).double()
+    ours = ms_norm(norm)  # γ = 1 + w, found on a probe
+    assert ours.unit_offset and ours.weight is norm.weight
     x = torch.randn(5, 16, dtype=torch.float64)
-    want = linear(norm(x))
-    folded = fold_norm_affine(norm, [linear])  # γ = 1 + w, found on a probe
-    torch.testing.assert_close(linear(folded(x)), want, rtol=1e-12, atol=1e-12)
-    # Code reading the norm's weight finds the value at which it multiplies by 1: w = 0.
-    assert torch.equal(folded.weight, torch.zeros(16, dtype=torch.float64))
+    g = torch.randn(5, 16, dtype=torch.float64)
+    for a, b in zip(grads_of(ours, x, g), grads_of(norm, x, g), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     # Another offset, another eps (the probe has rows whose mean square is eps) and a gated
-    # norm are refused, the Linear untouched.
+    # norm are refused.
     for other in (OffsetRMSNorm(16, offset=0.5), OffsetRMSNorm(16, gate=True)):
         with pytest.raises(ActdesignError, match="checked on a probe|one tensor"):
-            fold_norm_affine(other, [linear])
+            ms_norm(other)
     wrong_eps = OffsetRMSNorm(16)
     wrong_eps.forward = lambda x: x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-2)
-    before = linear.weight.clone()
     with pytest.raises(ActdesignError, match="checked on a probe"):
-        fold_norm_affine(wrong_eps, [linear])
-    assert torch.equal(linear.weight, before)
+        ms_norm(wrong_eps)
 
 
 def test_bad_inputs():
@@ -203,26 +245,29 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("kind", sorted(NORMS))
 def test_opcheck(kind):
-    forward, backward, _ = norm_ops().OPS[kind]
+    forward, backward = norm_ops().OPS[kind]
     x = torch.randn(4, 3, 16, requires_grad=True)
     torch.library.opcheck(forward, (x, 1e-5, torch.float32))
     y, rstd = forward(x.detach(), 1e-5, torch.float32)
     torch.library.opcheck(backward, (y, rstd, torch.randn(4, 3, 16)))
 
 
-def test_torch_compile_of_a_folded_block_matches_eager():
+def test_torch_compile_of_a_shared_block_matches_eager():
     torch.manual_seed(1)
     block = Block()
-    block.ln1 = fold_norm_affine(block.ln1, [block.q, block.k, block.v])
-    block.ln2 = fold_norm_affine(block.ln2, [block.fc1])
     x = torch.randn(2, 5, 32)
+    compress(block.ln1, "msnorm")  # nothing: a module is never replaced by itself
+    wrapped = nn.Sequential(block)
+    compress(wrapped, "msnorm", example_inputs=x)
+    assert isinstance(block.ln1, MSLayerNorm) and isinstance(block.q, LeanLinear)
     results = []
     for model in (block, torch.compile(block)):
         block.zero_grad()
         xi = x.clone().requires_grad_(True)
         y = model(xi)
         y.square().sum().backward()
-        results.append((y.detach(), xi.grad, block.q.weight.grad.clone()))
+        results.append((y.detach(), xi.grad, block.q.weight.grad.clone(),
+                        block.ln1.weight.grad.clone(), block.ln2.bias.grad.clone()))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
@@ -230,17 +275,22 @@ def test_torch_compile_of_a_folded_block_matches_eager():
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_eager_autograd_skips_the_custom_op_dispatch(kind, monkeypatch):
     ops = norm_ops()
-    forward, backward, eager = ops.OPS[kind]
+    forward, backward = ops.OPS[kind]
     x = torch.randn(6, 40, requires_grad=True)
+    w = torch.rand(40).add(0.5).requires_grad_(True)
     g = torch.randn(6, 40)
-    y_ref, rstd = forward(x.detach(), 1e-5, torch.float32)
-    dx_ref = backward(y_ref, rstd, g)
+    xhat, rstd = forward(x.detach(), 1e-5, torch.float32)
+    y_ref = xhat * w.detach()
+    dx_ref = backward(xhat, rstd, g * w.detach())
 
     def refuse(*args):
         raise AssertionError("custom op called in eager mode")
 
-    monkeypatch.setitem(ops.OPS, kind, (refuse, refuse, eager))
-    y = ops.apply(kind, x, 1e-5)
-    assert y.grad_fn.saved_tensors[0].data_ptr() == y.data_ptr()  # y itself is kept
+    monkeypatch.setitem(ops.OPS, kind, (refuse, refuse))
+    y = ops.apply(kind, x, 1e-5, weight=w)
+    kept = y.grad_fn.saved_tensors
+    assert torch.equal(kept[0], xhat) and kept[2] is w  # x̂, rstd and γ: never x, never y
     y.backward(g)
-    assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, dx_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, (g * xhat).sum(0), rtol=1e-6, atol=1e-6)

@@ -363,6 +363,6 @@ def test_a_calibrated_policy_keeps_the_codes_shared():
     result = calibrate_policy(model, batches, "msnorm+actnn2")
     report = compress(model, result.policy, batches[0])
     norms = [c.new for c in report.replaced if c.old == "LlamaRMSNorm"]
-    assert len(norms) == 5 and all("codes of its output, shared" in n for n in norms)
+    assert len(norms) == 5 and all("codes of x̂, shared" in n for n in norms)
     assert not any(c.new.startswith("LeanLinear (its input is an MS norm's")
                    for c in report.replaced)

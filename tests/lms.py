@@ -1,0 +1,46 @@
+"""Tiny random causal LMs of many transformers architectures, for tests that compare a
+compressed model with the untouched one. Not a test module: imported by those tests."""
+
+import pytest
+import torch
+
+# Architectures beyond the built-ins, each with its own parts (norm formulas, rotations,
+# MLPs, heads); test_llm.py says what `llm` must find in each.
+NAMES = ("Mistral", "Qwen3", "Gemma", "Gemma2", "Qwen3Next", "Phi3", "Olmo2", "Granite",
+         "Cohere", "StableLm", "GPTNeoX", "Mixtral", "Falcon", "OPT")
+CONFIGS = {"Qwen3Next": dict(layer_types=["full_attention"] * 2, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32)}
+
+
+def architecture(name):
+    """A tiny random model of the architecture, every dropout off."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, name + "Config", None)
+    if config is None:
+        pytest.skip(f"this transformers has no {name}")
+    config = config(hidden_size=64, intermediate_size=96, ffn_dim=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                    max_position_embeddings=64, pad_token_id=0, **CONFIGS.get(name, {}))
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout",
+                "resid_pdrop", "embd_pdrop", "layerdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    return getattr(transformers, name + "ForCausalLM")(config).train()
+
+
+def perturb_norms(model, seed=0):
+    """Norm weights drawn from [0.5, 1.5] (from [-0.5, 0.5] where γ = 1 + w) and biases from
+    [-0.5, 0.5], as in a trained model: a γ or β handled wrong shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith(("LayerNorm", "RMSNorm")):
+                w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+                if isinstance(w, torch.Tensor):
+                    offset = 0.0 if float(w.float().mean()) == 0.0 else 1.0  # 1 + w from 0
+                    w.copy_(torch.rand(w.shape, generator=g) - 0.5 + offset)
+                if isinstance(b, torch.Tensor):
+                    b.copy_(torch.rand(b.shape, generator=g) - 0.5)
+    return model
