@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import LeanLinear, MSLayerNorm, MSRMSNorm, compress, models
+from actdesign.runtime import LeanLinear, MSRMSNorm, compress, models
 from actdesign.runtime.glu import MSGLU, glu_ops
 from actdesign.runtime.lm_loss import (
     FusedLossHead,
