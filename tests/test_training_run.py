@@ -130,3 +130,58 @@ def test_bf16_weights_follow_the_untouched_bf16_run_within_its_rounding(name):
     eager16, ours16 = train(model), train(ours)
     assert (ours16 - eager16).abs().max() <= (eager16 - fp32).abs().max()
     assert (ours16 - eager16).abs().max() <= 0.05 * eager16.abs().max()  # bf16: 2^-8 a step
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Padded causal-LM examples: ids, attention mask, labels with the padding ignored."""
+
+    def __init__(self, n=16, seq=12, vocab=128):
+        g = torch.Generator().manual_seed(2)
+        self.items = []
+        for i in range(n):
+            ids = torch.randint(1, vocab, (seq,), generator=g)
+            mask = torch.ones(seq, dtype=torch.long)
+            mask[seq - i % 4:] = 0  # right padding, 0 to 3 tokens
+            ids[mask == 0] = 0
+            self.items.append({"input_ids": ids, "attention_mask": mask,
+                               "labels": ids.masked_fill(mask == 0, -100)})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def trainer_for(model, out, **overrides):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=4, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=1e-3, weight_decay=0.1, save_steps=2,
+        save_strategy="steps", logging_steps=1, report_to=[], use_cpu=True, seed=3,
+        remove_unused_columns=False, disable_tqdm=True, **overrides)
+    return transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("preset", ["msnorm", "llm"])
+def test_a_trainer_checkpoint_resumes_into_a_compressed_or_a_plain_model(preset, tmp_path):
+    pytest.importorskip("accelerate")
+    model = perturb_norms(models.build("llama-tiny")[0])
+    plain = copy.deepcopy(model)
+    compress(model, preset)
+    trainer_for(model, tmp_path / "run").train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").exists()
+    for resumed in (copy.deepcopy(plain), compress_copy(plain, preset)):
+        trainer_for(resumed, tmp_path / "resumed").train(resume_from_checkpoint=str(checkpoint))
+        for (n, a), (_, b) in zip(model.named_parameters(), resumed.named_parameters(),
+                                  strict=True):
+            # two steps of float32 rounding apart at most (a plain model's steps differ
+            # from the compressed one's by rounding, AdamW takes them as they come)
+            assert (a - b).norm() <= 1e-5 * a.norm(), n
+
+
+def compress_copy(model, preset):
+    model = copy.deepcopy(model)
+    compress(model, preset)
+    return model
