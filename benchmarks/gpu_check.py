@@ -156,9 +156,7 @@ def block_memory(device, ops):
     base = Block(d, 16, torch.nn.GELU()).to(device)
     compressed = Block(d, 16, ops.Module()).to(device)
     compressed.load_state_dict(base.state_dict())
-    compressed.ln1 = runtime.fold_norm_affine(compressed.ln1, [compressed.q, compressed.k,
-                                                               compressed.v])
-    compressed.ln2 = runtime.fold_norm_affine(compressed.ln2, [compressed.fc1])
+    runtime.compress(compressed, "msnorm", example_inputs=x[:1, :8])  # q, k, v, fc1 share x̂
     for name, model in (("baseline", base), ("GELU 3-bit + MS-LayerNorm", compressed)):
         def step(model=model):
             with torch.autocast(device, dtype=torch.bfloat16):

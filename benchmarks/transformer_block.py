@@ -4,8 +4,8 @@ The peak is tensor by tensor (measure.live_at_peak): the bytes a training step's
 occupy at once at their most, parameters and input aside.
 
 Variants: the plain block; its GELU replaced by the 3-bit stepwise table or by the 2-bit
-piecewise-linear fit (ReGELU2-style); its LayerNorms replaced by MS-LayerNorms with the
-affine folded into the following Linear layers; and the combinations.
+piecewise-linear fit (ReGELU2-style); its LayerNorms replaced by MS-LayerNorms, whose
+readers keep the norm's x̂ and rebuild its output in their backward; and the combinations.
 
 Run: .venv/bin/python benchmarks/transformer_block.py [--markdown] [--quick]
 """
@@ -74,9 +74,8 @@ def variants(d, heads):
         block = copy.deepcopy(base)
         if act is not None:
             block.act = act.Module()
-        if ms:
-            block.ln1 = runtime.fold_norm_affine(block.ln1, [block.q, block.k, block.v])
-            block.ln2 = runtime.fold_norm_affine(block.ln2, [block.fc1])
+        if ms:  # MS norms, and q, k, v and fc1 keeping their x̂
+            runtime.compress(block, "msnorm", example_inputs=torch.randn(2, 3, d))
         return block
 
     return {"baseline (LayerNorm, GELU)": make(),

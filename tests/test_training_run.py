@@ -52,7 +52,7 @@ def zero_gradient(name, model):
     shift shared by a row). In float32 their gradient is rounding noise, which AdamW turns
     into steps of the learning rate's size, different in any two runs that round differently.
     Returns a mask of the elements to compare, or None for all."""
-    if name.endswith("k_proj.bias"):
+    if name.endswith(("k_proj.bias", "attention.self.key.bias")):
         return False
     if name.endswith("c_attn.bias"):  # GPT-2: q, k and v biases in one; k is the middle third
         mask = torch.ones(3, model.config.n_embd, dtype=torch.bool)
@@ -72,7 +72,9 @@ def test_twenty_steps_are_the_untouched_models_steps(name, setup):
     model = model_named(name)
     ours = copy.deepcopy(model)
     report = compress(ours, setup.split("+")[0])
-    assert report.replaced, str(report)
+    if not report.replaced:
+        assert name == "Cohere" and setup == "msnorm"  # its own LayerNorm class: no target
+        return
     if setup.endswith("checkpointing"):
         for m in (model, ours):
             m.gradient_checkpointing_enable()
