@@ -80,6 +80,36 @@ def check_norms(device):
     return ok
 
 
+def check_rebuild(device):
+    """A reader's rebuild of an MS norm's output is the forward's, bit for bit, with the
+    device's kernels; dγ and dβ, summed over bands of rows in float32, match float64."""
+    from actdesign.runtime.sharing import kept_for, rebuild
+
+    ok = True
+    for cls in (torch.nn.LayerNorm, torch.nn.RMSNorm):
+        for dtype in (torch.float32, torch.bfloat16):
+            ref = cls(1000).to(device)
+            with torch.no_grad():
+                ref.weight.uniform_(0.5, 1.5)
+                if getattr(ref, "bias", None) is not None:
+                    ref.bias.normal_()
+            norm = runtime.ms_norm(ref.to(dtype))
+            x = (torch.randn(4096, 1000, device=device) * 3).to(dtype).requires_grad_(True)
+            y = norm(x)
+            same = torch.equal(rebuild(*kept_for(y), y.dtype), y)
+            g = torch.randn_like(y)
+            y.backward(g)
+            xhat = kept_for(y)[0].double()
+            want = (g.double() * xhat).sum(0)
+            err = ((norm.weight.grad.double() - want).abs().max()
+                   / (g.double().abs() * xhat.abs()).sum(0).max()).item()
+            close = err <= 4 * torch.finfo(dtype).eps
+            print(f"MS {cls.__name__} {dtype}: rebuilt y bit for bit: {same}; dγ against "
+                  f"float64, worst error / Σ|g·x̂|: {err:.1e}: {close}")
+            ok &= same and close
+    return ok
+
+
 def check_actnn(device):
     ops = runtime.actnn_ops()
     x = torch.randn(64, 5000)
@@ -213,7 +243,8 @@ def main():
     device = parser.parse_args().device
     print(f"device: {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}")
     ops = runtime.load(spec.from_fit(fit_stepwise("gelu", 3)))
-    ok = check_fewbit(ops, device) & check_norms(device) & check_actnn(device) \
+    ok = check_fewbit(ops, device) & check_norms(device) & check_rebuild(device) \
+        & check_actnn(device) \
         & check_llm_ops(device)
     block_memory(device, ops)
     models(device)

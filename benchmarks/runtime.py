@@ -9,8 +9,9 @@
    codes and g, writes dx.
 2. Small tensors (2^16 elements): the wall time per call of pipelined forward and
    forward + backward calls, ours and torch's: the host's cost per call.
-3. MS norms (forward, backward) against F.layer_norm / F.rms_norm without affine parameters,
-   for d = 768 to 8192; 2^27 elements on CUDA (--quick: 2^24), 2^20 on CPU.
+3. MS norms with γ (and β) against F.layer_norm / F.rms_norm with theirs, forward and
+   backward (dx, dγ, dβ), for d = 768 to 8192; 2^27 elements on CUDA (--quick: 2^24), 2^20
+   on CPU; and the rebuild of y = x̂·γ + β that each reader runs in its backward.
 4. The LLM ops in bf16 against the eager code they replace: MS-GLU's elementwise forward and
    backward against silu(g) * u with autograd; the rotary kernels against eager's rotation
    under autocast (CUDA only: elsewhere eager's ops run); the fused linear cross-entropy
@@ -19,7 +20,8 @@
 
 Goals on CUDA (bf16 and fp32, 2^24 to 2^27 elements): few-bit forward <= 1.10x torch,
 backward <= 0.85x, at >= 75% of the copy bandwidth; small-tensor forward + backward within
-30 us of torch's; MS norms <= 1.0x torch; the LLM ops at the same standard.
+30 us of torch's; MS norms <= 1.0x torch, their readers' rebuild at >= 75% of the copy
+bandwidth; the LLM ops at the same standard.
 
 Run: .venv/bin/python benchmarks/runtime.py [--quick] [--markdown] [--device cpu|cuda|all]
          [--acts gelu,silu,tanh] [--bits 1,2,3,4,8]
@@ -190,42 +192,57 @@ def small_tensors(device, markdown, n=2**16):
 
 
 def fwd_bwd(measure, repeats, f, x, g):
-    """Median forward and backward times of y = f(x)."""
-    y = f(x)
-    return (measure(lambda: f(x), repeats),
-            measure(lambda: torch.autograd.grad(y, x, g, retain_graph=True), repeats))
+    """Median forward and backward times of y = f(x), or of y = f(*x) and the gradients of
+    every tensor of x that needs one."""
+    inputs = x if isinstance(x, tuple) else (x,)
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    y = f(*inputs)
+    return (measure(lambda: f(*inputs), repeats),
+            measure(lambda: torch.autograd.grad(y, wanted, g, retain_graph=True), repeats))
 
 
 def norms(device, dtypes, total, repeats, markdown, copy):
-    """MS norms against torch's, no affine parameters: y = norm(x); dx from g, on tensors of
-    `total` elements."""
-    print("\nMS norms against F.layer_norm / F.rms_norm (no affine), forward and backward\n")
+    """MS norms against torch's, with γ (and β): y = norm(x); dx, dγ and dβ from g, on
+    tensors of `total` elements; and the readers' rebuild of y from x̂."""
+    print("\nMS norms against F.layer_norm / F.rms_norm (with γ and β), forward and backward "
+          "(dx, dγ, dβ), and a reader's rebuild of y\n")
     ops = runtime.norm_ops()
-    torch_norms = {"layer": lambda x, d: F.layer_norm(x, (d,), eps=1e-5),
-                   "rms": lambda x, d: F.rms_norm(x, (d,), eps=1e-5)}
+    torch_norms = {"layer": lambda x, w, b, d: F.layer_norm(x, (d,), w, b, eps=1e-5),
+                   "rms": lambda x, w, b, d: F.rms_norm(x, (d,), w, eps=1e-5)}
     measure = timer(device)
     header = ["norm", "dtype", "rows x d", "torch fwd ms", "ours fwd ms", "fwd ratio",
-              "torch bwd ms", "ours bwd ms", "bwd ratio"]
+              "torch bwd ms", "ours bwd ms", "bwd ratio", "rebuild ms"]
     if copy:
-        header += ["fwd % copy", "bwd % copy"]
+        header += ["fwd % copy", "bwd % copy", "rebuild % copy"]
     line = table(header, markdown, width=13)
     for kind, reference in torch_norms.items():
         for dtype in dtypes:
             for d in (768, 1024, 2048, 4096, 8192):
                 x = torch.randn(total // d, d, device=device, dtype=dtype, requires_grad=True)
+                w = torch.rand(d, device=device, dtype=dtype).add(0.5).requires_grad_(True)
+                b = torch.randn(d, device=device, dtype=dtype).requires_grad_(kind == "layer")
+                bias = b if kind == "layer" else None
                 g = torch.randn_like(x)
                 cells = [kind, str(dtype).replace("torch.", ""), f"{total // d} x {d}"]
                 (tf, tb), (of, ob) = (
-                    fwd_bwd(measure, repeats, f, x, g) for f in (
+                    fwd_bwd(measure, repeats, f, (x, w, bias), g) for f in (
                         functools.partial(reference, d=d),
-                        functools.partial(ops.apply, kind, eps=1e-5)))
+                        functools.partial(ms_norm, ops, kind)))
+                xhat = ops.OPS[kind][0](x.detach(), 1e-5, dtype)[0]
+                rebuild = measure(functools.partial(ops.affine, xhat, w, bias), repeats)
                 cells += [f"{tf * 1e3:.3f}", f"{of * 1e3:.3f}", f"{of / tf:.2f}",
-                          f"{tb * 1e3:.3f}", f"{ob * 1e3:.3f}", f"{ob / tb:.2f}"]
-                if copy:  # forward reads x, writes y; backward reads y and g, writes dx
-                    moved = x.nbytes
-                    cells += [f"{100 * 2 * moved / of / 1e9 / copy:.0f}%",
-                              f"{100 * 3 * moved / ob / 1e9 / copy:.0f}%"]
+                          f"{tb * 1e3:.3f}", f"{ob * 1e3:.3f}", f"{ob / tb:.2f}",
+                          f"{rebuild * 1e3:.3f}"]
+                if copy:  # forward reads x, writes x̂, reads it and writes y; backward reads
+                    moved = x.nbytes  # x̂ and g, writes dx; the rebuild reads x̂, writes y
+                    cells += [f"{100 * 4 * moved / of / 1e9 / copy:.0f}%",
+                              f"{100 * 3 * moved / ob / 1e9 / copy:.0f}%",
+                              f"{100 * 2 * moved / rebuild / 1e9 / copy:.0f}%"]
                 line(cells)
+
+
+def ms_norm(ops, kind, x, w, b):
+    return ops.apply(kind, x, 1e-5, weight=w, bias=b)
 
 
 def llm_ops(device, n, repeats, markdown, copy):

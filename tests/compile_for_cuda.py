@@ -47,10 +47,19 @@ def norm_kernels(ops, dtype):
             "x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "d": "i32",
             "eps": "fp32", "RMS": "constexpr", "BLOCK": "constexpr"},
             constexprs={"RMS": rms, "BLOCK": 1024})
-        yield f"norm rms={rms} backward", ASTSource(ops._backward_kernel, {
-            "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "g_ptr": f"*{dtype}",
-            "dx_ptr": f"*{dtype}", "d": "i32", "RMS": "constexpr", "BLOCK": "constexpr"},
-            constexprs={"RMS": rms, "BLOCK": 1024})
+        for affine in (False, True):
+            yield f"norm rms={rms} affine={affine} backward", ASTSource(ops._backward_kernel, {
+                "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "g_ptr": f"*{dtype}",
+                "w_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}", "dw_ptr": "*fp32",
+                "db_ptr": "*fp32", "rows": "i32", "d": "i32", "rows_per_program": "i32",
+                "RMS": "constexpr", "HAS_W": "constexpr", "AFFINE_GRADS": "constexpr",
+                "BLOCK": "constexpr"},
+                constexprs={"RMS": rms, "HAS_W": affine, "AFFINE_GRADS": affine,
+                            "BLOCK": 1024})
+    yield "norm affine", ASTSource(ops._affine_kernel, {
+        "xhat_ptr": f"*{dtype}", "w_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": f"*{dtype}",
+        "d": "i32", "HAS_W": "constexpr", "HAS_B": "constexpr", "BLOCK": "constexpr"},
+        constexprs={"HAS_W": True, "HAS_B": True, "BLOCK": 1024})
 
 
 def actnn_kernels(ops, dtype):

@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from actdesign.runtime import compress, models
-from actdesign.runtime import edits, glu, lm_loss, norms, rope
+from actdesign.runtime import compress, edits, glu, lm_loss, models, norms, rope
 
 compress_module = importlib.import_module("actdesign.runtime.compress")
 
