@@ -104,18 +104,21 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
     to `model` in place. Returns a Report of what was replaced, what was left alone and why,
     and, with a probe input, the bytes saved for the backward before and after. With
     `dry_run`, only the report of the plan: the model is not changed. If anything fails, the
-    model is as it was."""
-    planned = plan(model, policy, example_inputs)
-    if dry_run:
-        return planned.report
-    apply_all(planned.edits)
-    if planned.run is not None:
-        try:
-            with torch.enable_grad():
-                planned.report.after, _ = account(model, planned.run)
-        except BaseException:
-            undo_all(planned.edits)
-            raise
+    model is as it was. The random number generators are left as they were too (the probes
+    run dropout), so the training run after compress draws what it would have drawn."""
+    devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        planned = plan(model, policy, example_inputs)
+        if dry_run:
+            return planned.report
+        apply_all(planned.edits)
+        if planned.run is not None:
+            try:
+                with torch.enable_grad():
+                    planned.report.after, _ = account(model, planned.run)
+            except BaseException:
+                undo_all(planned.edits)
+                raise
     return planned.report
 
 

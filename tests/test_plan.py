@@ -69,6 +69,19 @@ def model_for(name):
     return model
 
 
+def test_compress_draws_no_random_numbers_of_the_run():
+    """The probes run dropout and ActNN layers draw their seeds, but the generator is as it
+    was: the training run after compress draws what it would have drawn."""
+    model = model_for("gpt2-tiny")
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.1
+    torch.manual_seed(5)
+    state = torch.random.get_rng_state()
+    compress(model, "fewbit3+msnorm+actnn2")
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 @pytest.mark.parametrize("name, policy", CASES)
 def test_a_dry_run_reports_the_plan_and_changes_nothing(name, policy):
     model = model_for(name)
