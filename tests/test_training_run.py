@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 from lms import NAMES, architecture, perturb_norms  # noqa: E402
 
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable`:FutureWarning")
 BUILTINS = ("llama-tiny", "qwen2-tiny", "gpt2-tiny", "bert-tiny", "vit-tiny")
 SETUPS = ("msnorm", "llm", "llm+checkpointing")
 
@@ -164,7 +165,6 @@ def trainer_for(model, out, **overrides):
     return transformers.Trainer(model=model, args=args, train_dataset=Tokens())
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("preset", ["msnorm", "llm"])
 def test_a_trainer_checkpoint_resumes_into_a_compressed_or_a_plain_model(preset, tmp_path):
     pytest.importorskip("accelerate")
