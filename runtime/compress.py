@@ -126,6 +126,7 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
     """Every decision, probe and check of `compress`, and the replacements built, without
     changing the model (probes may run it, and hooks added for them are removed)."""
     policy = policy_mod.load(policy)
+    _refuse_wrapped(model)
     report = Report(policy.label)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = {m: name for name, m in model.named_modules()}
@@ -182,6 +183,24 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
                                           "output)"))
     report.replaced.sort(key=lambda c: order[c.name])
     return Plan(report, _swaps(model, new) + edits, run)
+
+
+def _refuse_wrapped(model) -> None:
+    """A model already wrapped for distributed training (DDP, FSDP, FSDP2) is refused: its
+    wrapper has registered the parameters and hooks it synchronises, which replacing modules
+    would bypass (DDP would step on unsynchronised gradients, silently)."""
+    from torch.distributed.tensor import DTensor
+
+    wrapped = next((type(m).__name__ for m in model.modules()
+                    if type(m).__name__ in ("DistributedDataParallel", "DataParallel",
+                                            "FullyShardedDataParallel")
+                    or any(c.__name__ == "FSDPModule" for c in type(m).__mro__)), None)
+    if wrapped is None and any(isinstance(p, DTensor) for p in model.parameters()):
+        wrapped = "DTensor parameters"
+    if wrapped is not None:
+        raise ActdesignError(f"the model is already wrapped for distributed training "
+                             f"({wrapped}): compress the plain model first, then wrap it "
+                             "(DDP, fully_shard) and build the optimizer")
 
 
 def match(model, policy) -> tuple[dict, list]:

@@ -23,6 +23,7 @@ cross-entropy in float32, as eager transformers does; the weight is cast per cal
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
 
@@ -145,7 +146,14 @@ class FusedLossHead(LeanLinear):
         self.chunk_size = chunk_size
         self.deferred = False
 
-    def forward(self, hidden):
+    def forward(self, hidden, loss_inputs=None):
+        """The logits; the hidden states while deferred; with `loss_inputs` (the keywords
+        of fused_linear_cross_entropy but the chunk size), the fused loss of the hidden
+        states. The loss is computed in this module's own call, so that a wrapper (FSDP2
+        sharding the head as its own unit) has the weight in place, forward and backward."""
+        if loss_inputs is not None:
+            return fused_linear_cross_entropy(hidden, self.weight, chunk_size=self.chunk_size,
+                                              **loss_inputs)
         return hidden if self.deferred else super().forward(hidden)
 
     @contextlib.contextmanager
@@ -182,7 +190,8 @@ def plan_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None)
     if getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
         raise ActdesignError("its config sets final_logit_softcapping, a transform of the "
                              "logits the fused loss does not reproduce")
-    if "unfused_forward" in model.__dict__:
+    original = model.forward
+    if "unfused_forward" in model.__dict__ or getattr(original, "__self__", None) is not model:
         raise ActdesignError("its forward is already replaced on the instance")
     if probe is not None:
         expected, got = _probe_losses(model, head, chunk_size, probe)
@@ -196,8 +205,9 @@ def plan_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None)
     fused = FusedLossHead.from_module(head, chunk_size=chunk_size)
     # The original kept on the model, not in a closure, so that a deep copy runs its own.
     return name, [Edit(model.get_submodule(parent), attr, fused),
-                  Edit(model, "unfused_forward", model.forward),
-                  Edit(model, "forward", types.MethodType(_fused_forward, model))]
+                  Edit(model, "unfused_forward", original),
+                  Edit(model, "forward", types.MethodType(_fused_forward(original.__func__),
+                                                          model))]
 
 
 def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None) -> str:
@@ -231,23 +241,46 @@ def _returning_input(head):
 
 def _probe_losses(model, head, chunk_size, probe):
     """(the model's own loss, the fused one) on the probe, in eval mode (no dropout)."""
+    def loss_of(hidden, **loss_inputs):
+        return fused_linear_cross_entropy(hidden, head.weight, chunk_size=chunk_size,
+                                          **loss_inputs)
+
     with _eval_mode(model), torch.no_grad():
         expected = model(**probe).loss
-        got = _fused_call(model.forward, head.weight, chunk_size,
-                          lambda: _returning_input(head), (), probe).loss
-    return expected, got
+        got = _fused_call(model.forward, lambda: _returning_input(head), loss_of, (), probe)
+    return expected, got.loss
 
 
-def _fused_forward(self, *args, **kwargs):
-    """A causal LM's forward whose loss, given labels, is fused with its head."""
-    head = self.get_output_embeddings()
-    return _fused_call(self.unfused_forward, head.weight, head.chunk_size, head.deferring,
-                       args, kwargs)
+_FORWARDS = {}  # a class's forward -> its fused twin: one function for torch.compile to see
 
 
-def _fused_call(original, weight, chunk_size, deferring, args, kwargs):
-    """`original(*args, **kwargs)` with its loss fused: while `deferring()` is open the head
-    returns the hidden states, and the loss is computed from them with `weight`."""
+def _fused_forward(forward):
+    """A causal LM's forward whose loss, given labels in training, is fused with its head;
+    with the signature, name and docstring of `forward` (clients read the signature:
+    `Trainer` keeps the dataset columns it names)."""
+    if forward not in _FORWARDS:
+        @functools.wraps(forward)
+        def fused(self, *args, **kwargs):
+            head = self.get_output_embeddings()
+            if not (self.training and torch.is_grad_enabled()):  # logits wanted: eval, no grad
+                return self.unfused_forward(*args, **kwargs)
+            return _fused_call(self.unfused_forward, head.deferring, _head_loss(head), args,
+                               kwargs)
+
+        _FORWARDS[forward] = fused
+    return _FORWARDS[forward]
+
+
+def _head_loss(head):
+    def loss_of(hidden, **loss_inputs):
+        return head(hidden, loss_inputs=loss_inputs)  # a module call: its hooks run
+    return loss_of
+
+
+def _fused_call(original, deferring, loss_of, args, kwargs):
+    """`original(*args, **kwargs)` with its loss fused, given labels: while `deferring()` is
+    open the head returns the hidden states, and `loss_of(hidden, labels=..., ...)` gives the
+    loss. The output is the model's own with the loss first and no logits."""
     signature = inspect.signature(original)
     bound = signature.bind(*args, **kwargs)
     extra = bound.arguments.get(_var_keyword(signature), {})
@@ -264,14 +297,13 @@ def _fused_call(original, weight, chunk_size, deferring, args, kwargs):
     with deferring():
         out = original(*bound.args, **bound.kwargs)
     hidden = out[0] if isinstance(out, tuple) else out.logits
-    loss = fused_linear_cross_entropy(
-        hidden, weight, labels if shift_labels is None else None,
-        shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
-        ignore_index=extra.get("ignore_index", -100), chunk_size=chunk_size)
-    if isinstance(out, tuple):  # logits are not materialised: (loss, *the rest)
-        return (loss, *out[1:])
-    out.loss, out.logits = loss, None
-    return out
+    loss = loss_of(hidden, labels=labels if shift_labels is None else None,
+                   shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
+                   ignore_index=extra.get("ignore_index", -100))
+    if isinstance(out, tuple):  # as transformers orders it, (loss, logits, *the rest)
+        return (loss, None, *out[1:])
+    rest = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    return type(out)(loss=loss, logits=None, **rest)  # keys: loss first, no logits
 
 
 def _var_keyword(signature) -> str | None:

@@ -27,7 +27,6 @@ modeling file, its other models and other instances are untouched.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 
@@ -172,8 +171,8 @@ def _with_global(fn, name, value):
                                  closure)
         new.__wrapped__ = replaced
     new.__kwdefaults__ = fn.__kwdefaults__
-    new.__qualname__ = fn.__qualname__
-    new.__doc__ = fn.__doc__
+    new.__qualname__, new.__module__ = fn.__qualname__, fn.__module__
+    new.__doc__, new.__annotations__ = fn.__doc__, dict(fn.__annotations__)
     return new
 
 
@@ -198,8 +197,9 @@ def plan_rotary(attention: nn.Module) -> Edit:
     key = (type(attention).forward, original)
     if key not in _FORWARDS:
         _FORWARDS[key] = _with_global(type(attention).forward, NAME, _replacement_for(original))
-    # A partial, not a bound method: a deep copy of the model binds the copy.
-    return Edit(attention, "forward", functools.partial(_FORWARDS[key], attention))
+    # A method bound to the instance: the class forward's signature and docstring, and a
+    # deep copy of the model binds the copy.
+    return Edit(attention, "forward", types.MethodType(_FORWARDS[key], attention))
 
 
 def attach_rotary(attention: nn.Module) -> None:

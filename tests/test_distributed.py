@@ -32,6 +32,7 @@ BATCH, TOKENS, WIDTH, HIDDEN = 8, 3, 16, 32
 ROUNDOFF = 1e-12
 DDP_CASES = ("fewbit3", "regelu2", "msnorm", "backrazor90", "actnn2")
 FSDP_CASE = "fewbit3+msnorm+backrazor90"  # every deterministic kind of module
+LM_CASES = [("fsdp-head", "llm"), ("wrapped", "llm")]
 # What each policy must replace, so that a no-op compress cannot pass.
 REPLACED = {"fewbit3": {"act"}, "regelu2": {"act"}, "msnorm": {"norm", "fc1"},
             "backrazor90": {"fc1", "fc2"}, "actnn2": {"fc1", "fc2"},
@@ -70,6 +71,24 @@ def make_model(policy):
     return model, report
 
 
+def make_lm():
+    """(llama-tiny compressed with `llm`, float64, dropout off, its token batch): the fused
+    loss reads the head's weight through the head's own call."""
+    from actdesign.runtime import models
+
+    model, _ = models.build("llama-tiny")
+    model = model.double().train()
+    ids = torch.randint(1, 512, (BATCH, 6), generator=torch.Generator().manual_seed(3))
+    report = compress(model, "llm", example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
+    return model, report, ids
+
+
+def lm_step(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss  # every rank counts the same tokens
+    loss.backward()
+    return loss.detach()
+
+
 def step(model, x, target):
     """Forward and backward of a loss averaged over the local batch: DDP and FSDP average the
     ranks' gradients, which is then the gradient of the global mean."""
@@ -80,9 +99,45 @@ def step(model, x, target):
 
 # --- the two processes ---------------------------------------------------------------------------
 
+def run_lm_case(rank, mode):
+    """llm on a transformers model: FSDP2 with the head sharded as its own unit (the loss must
+    read the unsharded weight), and compress refusing a model wrapped already."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from actdesign.errors import ActdesignError
+
+    local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    model, _, ids = make_lm()
+    if mode == "wrapped":
+        refused = []
+        for wrap in (DistributedDataParallel, fully_shard):
+            plain, _ = __import__("actdesign.runtime.models", fromlist=["build"]).build(
+                "llama-tiny")
+            wrapped = wrap(plain)
+            try:
+                compress(wrapped, "llm")
+            except ActdesignError as exc:
+                refused.append(str(exc))
+        return {"refused": refused}
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model.lm_head, mesh=mesh)  # the head its own unit, as some frameworks wrap it
+    fully_shard(model, mesh=mesh)
+    loss = lm_step(model, ids[local])
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    dist.all_reduce(loss)
+    return {"loss": loss / WORLD, "grads": grads}
+
+
 def run_case(rank, mode, policy):
     import torch.distributed as dist
 
+    if policy == "llm":
+        return run_lm_case(rank, mode)
     x, target = batch()
     local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
     model, _ = make_model(policy)  # compressed before wrapping, as compress requires
@@ -110,7 +165,7 @@ def worker(rank, out: Path):
     dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
     results = {}
-    for mode, policy in [("ddp", p) for p in DDP_CASES] + [("fsdp", FSDP_CASE)]:
+    for mode, policy in [("ddp", p) for p in DDP_CASES] + [("fsdp", FSDP_CASE)] + LM_CASES:
         try:
             results[mode, policy] = run_case(rank, mode, policy)
         except Exception:  # reported by the test of this case; the others still run
@@ -135,6 +190,10 @@ def reference():
         assert {c.name for c in report.replaced} == REPLACED[policy], str(report)
         loss = step(model, *batch())
         out[policy] = loss, {name: p.grad for name, p in model.named_parameters()}
+    model, report, ids = make_lm()
+    assert any(c.new.startswith("FusedLossHead") for c in report.replaced), str(report)
+    loss = lm_step(model, ids)
+    out["llm"] = loss, {name: p.grad for name, p in model.named_parameters()}
     return out
 
 
@@ -187,6 +246,16 @@ def test_ddp_matches_one_process(policy, reference, ranks):
 
 def test_fsdp2_matches_one_process(reference, ranks):
     assert_matches(results_of(ranks, ("fsdp", FSDP_CASE)), *reference[FSDP_CASE])
+
+
+def test_fsdp2_with_the_head_its_own_unit_matches_one_process(reference, ranks):
+    assert_matches(results_of(ranks, ("fsdp-head", "llm")), *reference["llm"])
+
+
+def test_compress_refuses_a_model_wrapped_already(ranks):
+    for run in results_of(ranks, ("wrapped", "llm")):
+        assert len(run["refused"]) == 2  # DDP and fully_shard
+        assert all("compress the plain model first" in why for why in run["refused"])
 
 
 def test_ddp_actnn_within_one_step_per_element(ranks):

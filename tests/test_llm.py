@@ -2,7 +2,9 @@
 against eager computations, in float64, float32 and bf16."""
 
 import copy
+import inspect
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -209,8 +211,12 @@ def test_under_autocast_only_the_consumed_hidden_states_are_kept(saved):
 # --- transformers causal LMs --------------------------------------------------------------
 
 def causal_lm(name="llama-tiny", dtype=torch.float32):
+    """A built-in causal LM in training mode (where the fused loss runs), dropout off."""
     model, _ = models.build(name)
-    return model.to(dtype).eval()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model.to(dtype).train()
 
 
 def run_model(model, inputs, autocast=False, **kwargs):
@@ -289,7 +295,7 @@ def test_heads_the_fused_loss_cannot_reproduce_are_refused_unchanged():
     model = causal_lm()
     own = model.forward
 
-    def capped(**kwargs):  # soft-capping the logits: not something the hidden states allow
+    def capped(self, **kwargs):  # soft-capping the logits: not something the hidden states allow
         out = own(**kwargs)
         out.logits = 3 * torch.tanh(out.logits / 3)
         if out.loss is not None:
@@ -297,12 +303,17 @@ def test_heads_the_fused_loss_cannot_reproduce_are_refused_unchanged():
                                        kwargs["labels"][:, 1:].flatten())
         return out
 
-    model.forward = capped
+    model.forward = types.MethodType(capped, model)
     with pytest.raises(ActdesignError, match="differs from the model's own"):
         attach_fused_loss(model, probe=models.example_batch(model, 2, 8))
-    assert type(model.lm_head) is nn.Linear and model.forward is capped  # nothing changed
-    model.forward = lambda **kwargs: scaled(own, **kwargs)  # a scale commutes with the head
+    assert type(model.lm_head) is nn.Linear and model.forward.__func__ is capped  # unchanged
+    # a scale commutes with the head
+    model.forward = types.MethodType(lambda self, **kwargs: scaled(own, **kwargs), model)
     attach_fused_loss(model, probe=models.example_batch(model, 2, 8))
+    other = causal_lm()
+    other.forward = lambda **kwargs: own(**kwargs)  # not a method of the model: refused
+    with pytest.raises(ActdesignError, match="already replaced"):
+        attach_fused_loss(other)
     with pytest.raises(ActdesignError, match="causal LM"):
         attach_fused_loss(causal_lm("bert-tiny"))
 

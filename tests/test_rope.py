@@ -2,6 +2,7 @@
 attaches to (by behaviour, with nothing patched outside the module)."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -150,7 +151,7 @@ def test_attached_attention_compiles_across_a_graph_break():
         layer.self_attn.q_proj = BreakingLinear(q.in_features, q.out_features, bias=False)
         layer.self_attn.q_proj.weight = q.weight
     ours = attached_copy(model)
-    forwards = {m.forward.func for m in ours.modules() if hasattr(m.forward, "func")}
+    forwards = {m.forward.__func__ for m in ours.modules() if "forward" in vars(m)}
     assert len(forwards) == 1  # one copy of the forward serves every layer
     want, grads = step(ours, inputs, False)
     # The resume function compiled at the break lives in the copy's globals: every layer
@@ -170,7 +171,11 @@ def test_the_modeling_file_and_other_instances_are_untouched():
     assert module_globals["apply_rotary_pos_emb"] is before
     assert "forward" not in other.model.layers[0].self_attn.__dict__
     copied = copy.deepcopy(model)  # a copy runs its own module
-    assert copied.model.layers[0].self_attn.forward.args[0] is copied.model.layers[0].self_attn
+    assert copied.model.layers[0].self_attn.forward.__self__ is copied.model.layers[0].self_attn
+    # the attached forward has the class forward's signature and docstring
+    assert inspect.signature(attention.forward) == \
+        inspect.signature(other.model.layers[0].self_attn.forward)
+    assert attention.forward.__doc__ == type(attention).forward.__doc__
     with pytest.raises(ActdesignError, match="already replaced"):
         attach_rotary(attention)
 
