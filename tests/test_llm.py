@@ -2,7 +2,6 @@
 against eager computations, in float64, float32 and bf16."""
 
 import copy
-import inspect
 import sys
 import types
 from pathlib import Path
