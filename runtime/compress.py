@@ -160,6 +160,7 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
                 head, fused = plan_fused_loss(m, rule.option("chunk_size"), _with_labels(inputs))
                 edits += fused
                 covered.add(m.get_output_embeddings())
+                head = f"{name}.{head}" if name else head  # the causal LM may be inside
                 report.replaced.append(Change(head, "Linear", "FusedLossHead (the loss is "
                                               "computed chunk by chunk: no logits kept)"))
                 continue

@@ -208,3 +208,33 @@ def test_sft_trainer_with_its_defaults_trains_as_the_untouched_model(tmp_path):
         runs.append(losses(trainer))
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=0)
     assert kept == [[], []]
+
+
+def test_compress_on_a_peft_model_applies_wholly_and_trains_as_peft():
+    """The report names the head inside the PEFT wrapper (it raised KeyError there, after
+    the model was half changed); LoRA's gradients, with dropout, are PEFT's own."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                             "gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(llama(), config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    ours = copy.deepcopy(model)
+    report = compress(ours, "llm")
+    assert "base_model.model.lm_head" in [c.name for c in report.replaced]
+    assert list(ours.state_dict()) == list(model.state_dict())
+    inputs = models.example_batch(model.get_base_model(), 2, 12)
+    runs = []
+    for m in (model, ours):
+        torch.manual_seed(5)  # the same dropout masks
+        out = m(**inputs)
+        out.loss.backward()
+        runs.append((out.loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (loss0, grads0), (loss1, grads1) = runs
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=0)
+    assert grads1.keys() == grads0.keys() and len(grads0) == 28  # A and B of 14 layers
+    for n, g in grads0.items():
+        assert (grads1[n] - g).norm() <= 1e-5 * g.norm(), n
