@@ -168,12 +168,10 @@ class _KeepingCodes(torch.autograd.Function):
         rstd, gamma, *codes = ctx.saved_tensors
         xhat = ctx.norm.restore(codes, ctx.shape, ctx.dtype)
         want = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dx, sums = norm_ops().backward_impl(ctx.norm.kind, xhat, rstd,
-                                            grad_y.to(ctx.input_dtype), gamma, want)
-        dw, db = (None, None) if sums is None else (
-            sums[i].to(dtype) if dtype is not None and ctx.needs_input_grad[1 + i] else None
-            for i, dtype in enumerate(ctx.param_dtypes))
-        return dx, dw, db, None, None
+        ops = norm_ops()
+        dx, sums = ops.backward_impl(ctx.norm.kind, xhat, rstd, grad_y.to(ctx.input_dtype),
+                                     gamma, want)
+        return dx, *ops.param_grads(sums, ctx.param_dtypes, ctx.needs_input_grad[1:3]), None, None
 
 
 def _affine(norm: nn.Module):
