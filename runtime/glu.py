@@ -86,9 +86,16 @@ class MSGLU(_QuantizedInput, nn.Module):
         return new
 
     def forward(self, x):
+        down = self.down_proj
+        # The down projection runs inside the GLU's own function, from its weight: a module
+        # wrapping it later (a PEFT adapter) would silently not run. Refuse instead.
+        if type(down) is not LeanLinear:
+            raise ActdesignError(f"MS-GLU's down_proj is a {type(down).__name__}: it was "
+                                 "wrapped after compress, and MS-GLU computes it from its "
+                                 "weight; wrap the model first (get_peft_model), then compress")
         g, u = self.gate_proj(x), self.up_proj(x)
-        weight = self.down_proj.weight
-        dtype, (bias,) = autocast_casts(weight, self.down_proj.bias)
+        weight = down.weight
+        dtype, (bias,) = autocast_casts(weight, down.bias)
         with torch.autocast(g.device.type, enabled=False):
             return _GLUDown.apply(g, u, weight, bias, self.act, dtype or weight.dtype,
                                   None if self.bits is None else self)

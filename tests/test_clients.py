@@ -238,3 +238,22 @@ def test_compress_on_a_peft_model_applies_wholly_and_trains_as_peft():
     assert grads1.keys() == grads0.keys() and len(grads0) == 28  # A and B of 14 layers
     for n, g in grads0.items():
         assert (grads1[n] - g).norm() <= 1e-5 * g.norm(), n
+
+
+def test_an_adapter_added_after_compress_is_never_silently_skipped():
+    """MS-GLU computes its down projection from the weight, inside its own backward: a LoRA
+    adapter PEFT puts on it afterwards would get no gradient. The forward refuses instead;
+    the projections it calls as modules (gate, up, attention's) take adapters as usual."""
+    peft = pytest.importorskip("peft")
+    from actdesign.errors import ActdesignError
+
+    model = llama()
+    compress(model, "llm")
+    wrapped = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
+        r=4, target_modules=["down_proj"]))
+    with pytest.raises(ActdesignError, match="wrapped after compress"):
+        wrapped(**models.example_batch(model, 2, 8))
+    other = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj",
+                                                                             "gate_proj"]))
+    other(**models.example_batch(model, 2, 8)).loss.backward()
+    assert all(p.grad is not None for n, p in other.named_parameters() if "lora_" in n)
