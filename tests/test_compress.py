@@ -367,3 +367,15 @@ def test_torch_transformer_layers_run_every_path(policy):
 
 def ms_norms(model):
     return [m for m in model.modules() if isinstance(m, MSLayerNorm)]
+
+
+def test_a_norm_whose_reader_the_policy_keeps_is_left_alone():
+    """A reader kept as it is would keep the norm's output itself, beside the MS norm's x̂."""
+    model = block()
+    policy = {"format": "actdesign.policy/1",
+              "rules": [{"target": "linear", "name": "up", "apply": "keep"},
+                        {"target": "norm", "apply": "msnorm"}]}
+    report = compress(model, policy, example_inputs=(torch.randn(2, 16, dtype=torch.float64),))
+    assert type(model.norm) is nn.LayerNorm and isinstance(model.final, MSLayerNorm)
+    assert ("norm", "LayerNorm", "up, reading it, is kept as it is by the policy") in \
+        report.skipped
