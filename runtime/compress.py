@@ -142,7 +142,8 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
     if run is not None and codes:
         kept = inputs_kept_elsewhere(model, set(codes), run)
     # module -> its replacement; the readers of MS norms keeping x̂ (exact) or codes of it
-    new, exact, sharing, readers = _share_norms(model, policy, norms, run, report, codes)
+    new, exact, sharing, readers = _share_norms(model, policy, norms, run, report, codes,
+                                                names)
     edits, covered = [], set()  # covered: layers a GLU or a fused loss takes over
     for name, (m, rule) in chosen.items():
         if rule.apply == "msnorm":
@@ -274,12 +275,13 @@ def _with_labels(inputs):
     return {"labels": inputs["input_ids"], **inputs}
 
 
-def _share_norms(model, policy, norms: dict, run, report, codes: dict):
+def _share_norms(model, policy, norms: dict, run, report, codes: dict, names: dict):
     """MS norms for the norms they can replace, sharing their parameters: (replacements, the
     layers reading a norm that keeps x̂, those reading a norm that keeps codes of x̂ (when every
     reader is an ActNN layer of one bit width, in `codes`), every such reader). A norm with
     an affine is replaced where the probe shows that only Linear layers read its output, none
-    of them kept as it is by the policy; the rest are reported."""
+    of them kept as it is by the policy; the rest are reported. `names` maps modules to
+    their names."""
     new, exact, sharing, readers = {}, set(), set(), []
     plain = {n: m for n, m in norms.items() if _affine_free(m)}
     affine = {n: m for n, m in norms.items() if n not in plain}
@@ -289,7 +291,6 @@ def _share_norms(model, policy, norms: dict, run, report, codes: dict):
                                    "reading it needs example_inputs, to see which they are"))
         affine = {}
     uses = norm_consumers(model, affine, run) if affine else {}
-    names = {r: n for n, r in model.named_modules()}
     for name, m in {**plain, **affine}.items():
         found = [] if name in plain else uses[name]
         if isinstance(found, list):
