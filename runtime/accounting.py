@@ -22,6 +22,13 @@ class SavedBytes:
         return sum(self.storages.values())
 
 
+def observer(hook):
+    """Mark a module hook as one that only looks (it changes nothing): layers that take a
+    path of their own only while their parts carry no hooks (the lean LoRA path) ignore it."""
+    hook.observes_only = True
+    return hook
+
+
 def account(model: torch.nn.Module, run) -> tuple[SavedBytes, object]:
     """(the bytes `run()`'s forward saves for backward, by module; run()'s result)."""
     names = {m: n for n, m in model.named_modules()}
@@ -38,9 +45,11 @@ def account(model: torch.nn.Module, run) -> tuple[SavedBytes, object]:
             saved.by_module[stack[-1]] = saved.by_module.get(stack[-1], 0) + storage.nbytes()
         return t
 
+    @observer
     def enter(module, args):
         stack.append(names[module])
 
+    @observer
     def leave(module, args, output):  # returns None: a hook's result would replace the output
         stack.pop()
 

@@ -36,13 +36,14 @@ from .compressed import LeanLinear
 from .edits import Edit, apply_all, undo_all
 from .glu import MSGLU
 from .lm_loss import FusedLossHead, plan_fused_loss
+from .lora import LeanLoRA, plan_lora
 from .norms import _QMSNorm, ms_norm
 from .pooled import PooledConv2d
-from .quantized import QConv2d, QLinear
+from .quantized import InputCodes, QConv2d, QLinear
 from .rope import plan_rotary
 from .sparse import SparseConv2d, SparseLinear
 from .tables import table
-from .targets import activation_name, target_of
+from .targets import activation_name, is_lora_linear, peft_refusal, target_of
 from .trace import inputs_kept_elsewhere, norm_consumers
 
 
@@ -145,8 +146,15 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
     new, exact, sharing, readers = _share_norms(model, policy, norms, run, report, codes,
                                                 names)
     edits, covered = [], set()  # covered: layers a GLU or a fused loss takes over
+    glu_downs = set()  # the down projections of MS-GLUs: they read h, rebuilt from g and u
     for name, (m, rule) in chosen.items():
         if rule.apply == "msnorm":
+            continue
+        if is_lora_linear(m):
+            edits += _plan_lora(name, m, rule.apply, _lora_keeps(m, rule.apply, codes, kept,
+                                                                  exact, sharing, glu_downs),
+                                report)
+            covered.add(m)
             continue
         if rule.apply == "actnn" and m in kept | exact:
             # Its input is kept anyway (by an MS norm, or by attention for its backward):
@@ -176,15 +184,51 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
             continue
         if rule.apply == "msglu":
             covered.update((m.gate_proj, m.up_proj, m.down_proj))
+            glu_downs.add(m.down_proj)
         report.replaced.append(Change(name, type(m).__name__, what))
     for reader in readers:  # no rule replaced it: it keeps the norm's x̂, exact and lean
-        if reader not in new and reader not in covered:
+        if reader not in new and reader not in covered and is_lora_linear(reader):
+            edits += _plan_lora(names[reader], reader, "lean",
+                                _lora_keeps(reader, "lean", codes, kept, exact, sharing,
+                                            glu_downs), report)
+        elif reader not in new and reader not in covered:
             new[reader] = LeanLinear.from_module(reader)
             report.replaced.append(Change(names[reader], type(reader).__name__,
                                           "LeanLinear (keeps the MS norm's x̂, not its "
                                           "output)"))
     report.replaced.sort(key=lambda c: order[c.name])
     return Plan(report, _swaps(model, new) + edits, run)
+
+
+def _plan_lora(name, layer, method, keeps, report) -> list[Edit]:
+    """The edits giving a PEFT LoRA layer the lean path under a 'lean' or 'actnn' rule;
+    `keeps` is (how x is kept for A's gradient, that in words), from `_lora_keeps`. Other
+    methods are reported and leave it alone."""
+    if method not in ("lean", "actnn"):
+        report.skipped.append((name, type(layer).__name__, f"a LoRA layer takes 'lean' or "
+                               f"'actnn', not {method!r}"))
+        return []
+    keeper, kept = keeps
+    report.replaced.append(Change(name, "lora.Linear", f"lean LoRA (the frozen base keeps "
+                                  f"nothing; the adapter keeps A·drop(x) and {kept}; the "
+                                  "dropout mask is replayed)"))
+    return plan_lora(layer, keeper)
+
+
+def _lora_keeps(layer, method, codes, kept, exact, sharing, glu_downs):
+    """(keeper, in words) of what a LoRA layer keeps of x for A's gradient: what something
+    else keeps anyway where it can, else x, or under 'actnn' codes of x."""
+    if layer in glu_downs:
+        return LeanLinear, "MS-GLU's g and u, which rebuild x"
+    if layer in exact:
+        return LeanLinear, "the MS norm's x̂"
+    if layer in kept:
+        return LeanLinear, "x, which another op keeps anyway"
+    if method == "actnn":
+        bits, group_size = codes[layer]
+        of = "the MS norm's x̂, shared" if layer in sharing else "x"
+        return InputCodes(bits, group_size), f"{bits}-bit codes of {of}"
+    return LeanLinear, "x"
 
 
 def _refuse_wrapped(model) -> None:
@@ -209,10 +253,25 @@ def match(model, policy) -> tuple[dict, list]:
     """({name: (module, first matching rule)} for modules a rule applies to (not `keep`),
     [(name, class, why) for modules that match but cannot be replaced])."""
     chosen, skipped = {}, []
-    glus, heads = [], set()  # a chosen gated MLP's layers, and a fused loss's head, are theirs
+    # What these modules hold is planned with them, or left alone with them: a chosen gated
+    # MLP's layers (but LoRA layers on them), a LoRA layer's base and adapters, what a PEFT
+    # layer compress does not support holds; a fused loss's head.
+    glus, owners, heads = set(), [], set()
     for name, m in model.named_modules():
+        owner = next((o for o in owners if name.startswith(o + ".")), None)
+        if owner is not None and not (owner in glus and is_lora_linear(m)):
+            continue
+        why = peft_refusal(m)
+        if why is not None:
+            skipped.append((name, type(m).__name__, why))
+            owners.append(name)
+            continue
+        if is_lora_linear(m):
+            owners.append(name)
+            if isinstance(m.__dict__.get("forward"), LeanLoRA):
+                continue  # lean already
         target = target_of(m)
-        if target is None or id(m) in heads or any(name.startswith(g + ".") for g in glus):
+        if target is None or id(m) in heads:
             continue
         if target == "head" and isinstance(m.get_output_embeddings(), FusedLossHead):
             continue  # fused already
@@ -225,8 +284,9 @@ def match(model, policy) -> tuple[dict, list]:
             continue
         chosen[name] = (m, rule)
         if target == "glu":
-            glus.append(name)
-        if target == "head":
+            glus.add(name)
+            owners.append(name)
+        if target == "head" and type(m.get_output_embeddings()) is nn.Linear:
             heads.add(id(m.get_output_embeddings()))
     return chosen, skipped
 
@@ -263,7 +323,7 @@ def _actnn_bits(name, rule) -> tuple[int, int]:
 
 
 def _probe_inputs(model, example_inputs):
-    if example_inputs is None and models.is_transformers(model):
+    if example_inputs is None and models.transformers_model(model) is not None:
         example_inputs = models.example_batch(model, batch=2, seq=8)
     return example_inputs
 

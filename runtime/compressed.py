@@ -55,19 +55,20 @@ class _CompressedInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, dtype):
         y = layer.dense_forward(x, weight.to(dtype), bias)
-        saved, affine = (), None
+        saved, extras, ctx.make = (), (), None
         if ctx.needs_input_grad[1]:  # only the weight gradient reads x; a frozen one, nothing
-            kept, affine = kept_for(x)  # an MS norm's x̂ in place of its output, where offered
-            saved = layer.compress(kept)  # x itself: it may carry codes
-        ctx.save_for_backward(weight, *(affine or (None, None)), *saved)
+            # What x's producer keeps anyway (an MS norm's x̂, MS-GLU's g and u), where offered
+            primary, extras, ctx.make = kept_for(x)
+            saved = () if primary is None else layer.compress(primary)  # x: it may carry codes
+        ctx.save_for_backward(weight, *saved, *extras)
         ctx.layer, ctx.shape, ctx.dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
-        ctx.weight_dtype, ctx.rebuilds = dtype, affine is not None
+        ctx.weight_dtype, ctx.n_saved = dtype, len(saved)
         return y
 
     @staticmethod
     def backward(ctx, g):
         weight, *rest = ctx.saved_tensors
-        affine, saved = rest[:2], rest[2:]
+        saved, extras = rest[:ctx.n_saved], rest[ctx.n_saved:]
         layer = ctx.layer
         grad_x = grad_w = grad_b = None
         with torch.autocast(g.device.type, enabled=False):  # as in the forward
@@ -75,8 +76,8 @@ class _CompressedInput(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = layer.input_grad(ctx.shape, cast, g)
             if ctx.needs_input_grad[1]:
-                x = rebuild(layer.restore(saved, ctx.shape, ctx.dtype),
-                            affine if ctx.rebuilds else None, ctx.dtype)
+                primary = layer.restore(saved, ctx.shape, ctx.dtype) if saved else None
+                x = rebuild(primary, extras, ctx.make, ctx.shape, ctx.dtype)
                 grad_w = layer.weight_grad(x, cast, g).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(tuple(i for i in range(g.dim()) if i != layer.channel_dim(g)))

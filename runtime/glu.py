@@ -9,6 +9,12 @@ are the eager ones, with eager's roundings: the results equal the eager module's
 
 The three Linear layers keep their names and parameters as LeanLinear layers: no 16-bit
 weight copy under autocast; the down projection's weight is cast again in the backward.
+PEFT LoRA layers on them stay as they are (compress gives them the lean LoRA path).
+
+The down projection is computed inside MS-GLU's own function only while it is a plain
+LeanLinear. Anything else there (a LoRA layer, one PEFT wrapped after compress, a module
+with hooks) is called as a module on h, and h is offered to it as a recipe from the g and u
+MS-GLU keeps (`sharing`): it keeps no h of its own, and whatever wraps it runs.
 
 For ActNN policies MS-GLU can keep u as b-bit codes (`codes`): the backward then uses the
 unbiased û in h = act(g)·û, which only the down projection's weight gradient reads (ActNN's
@@ -29,8 +35,10 @@ from actdesign.errors import ActdesignError
 
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts
+from .models import eval_mode
 from .quantized import QLinear, _QuantizedInput
-from .targets import activation_name
+from .sharing import offer
+from .targets import activation_name, is_gated_mlp, is_lora_linear
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -54,12 +62,13 @@ class MSGLU(_QuantizedInput, nn.Module):
         self._setup(bits, group_size)  # bits None: u kept as it is
         self.input_codes = input_codes
         if input_codes is None:
-            self.gate_proj, self.up_proj = map(LeanLinear.from_module, (gate_proj, up_proj))
+            self.gate_proj, self.up_proj = map(_lean, (gate_proj, up_proj))
         else:
             b, g = input_codes
-            self.gate_proj, self.up_proj = (QLinear.from_module(m, bits=b, group_size=g)
-                                            for m in (gate_proj, up_proj))
-        self.down_proj = LeanLinear.from_module(down_proj)  # its weight is read below
+            self.gate_proj, self.up_proj = (
+                m if is_lora_linear(m) else QLinear.from_module(m, bits=b, group_size=g)
+                for m in (gate_proj, up_proj))
+        self.down_proj = _lean(down_proj)
         self.act = act
 
     @classmethod
@@ -69,8 +78,9 @@ class MSGLU(_QuantizedInput, nn.Module):
         tanh-GELU, and compute down_proj(act_fn(gate_proj(x)) * up_proj(x)), which a probe
         on random inputs checks. `options` go to the constructor."""
         layers = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(type(m) is nn.Linear for m in layers):
-            raise ActdesignError("a gated MLP needs nn.Linear gate_proj, up_proj and down_proj")
+        if not is_gated_mlp(mlp):
+            raise ActdesignError("a gated MLP needs nn.Linear gate_proj, up_proj and down_proj "
+                                 "(or PEFT LoRA layers on them)")
         gate, up, down = layers
         if not (gate.in_features == up.in_features == down.out_features
                 and gate.out_features == up.out_features == down.in_features):
@@ -87,18 +97,14 @@ class MSGLU(_QuantizedInput, nn.Module):
 
     def forward(self, x):
         down = self.down_proj
-        # The down projection runs inside the GLU's own function, from its weight: a module
-        # wrapping it later (a PEFT adapter) would silently not run. Refuse instead.
-        if type(down) is not LeanLinear:
-            raise ActdesignError(f"MS-GLU's down_proj is a {type(down).__name__}: it was "
-                                 "wrapped after compress, and MS-GLU computes it from its "
-                                 "weight; wrap the model first (get_peft_model), then compress")
         g, u = self.gate_proj(x), self.up_proj(x)
+        codes = None if self.bits is None else self
+        if type(down) is not LeanLinear or down._forward_hooks or down._forward_pre_hooks:
+            return down(_GLUProduct.apply(g, u, self.act, codes))  # a module call: it runs
         weight = down.weight
         dtype, (bias,) = autocast_casts(weight, down.bias)
         with torch.autocast(g.device.type, enabled=False):
-            return _GLUDown.apply(g, u, weight, bias, self.act, dtype or weight.dtype,
-                                  None if self.bits is None else self)
+            return _GLUDown.apply(g, u, weight, bias, self.act, dtype or weight.dtype, codes)
 
     def extra_repr(self):
         codes = "" if self.bits is None else f", up(x) as {self.bits}-bit codes, group_size=" \
@@ -106,10 +112,16 @@ class MSGLU(_QuantizedInput, nn.Module):
         return f"act={self.act}{codes}"
 
 
+def _lean(layer):
+    """A projection as MS-GLU holds it: a Linear as a LeanLinear, a LoRA layer as it is."""
+    return layer if is_lora_linear(layer) else LeanLinear.from_module(layer)
+
+
 def _check_probe(mlp, new, gate):
     """The module's own forward against down(act(gate(x)) * up(x)) on random rows."""
-    x = torch.randn(4, gate.in_features, dtype=gate.weight.dtype, device=gate.weight.device)
-    with torch.no_grad():
+    weight = gate.base_layer.weight if is_lora_linear(gate) else gate.weight
+    x = torch.randn(4, gate.in_features, dtype=weight.dtype, device=weight.device)
+    with torch.no_grad(), eval_mode(mlp), eval_mode(new):  # no dropout (a LoRA layer's)
         expected, got = mlp(x), new(x)
     scale = expected.abs().max().item() + 1e-30
     if not torch.allclose(got, expected, rtol=0,
@@ -133,7 +145,7 @@ class _GLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, weight, *kept = ctx.saved_tensors
-        u = kept[0] if ctx.codes is None else ctx.codes.restore(kept, g.shape, ctx.u_dtype)
+        u = _restore(ctx.codes, kept, g.shape, ctx.u_dtype)
         grad2 = grad.reshape(-1, grad.shape[-1])
         with torch.autocast(grad.device.type, enabled=False):
             w = weight.to(ctx.dtype)
@@ -143,3 +155,39 @@ class _GLUDown(torch.autograd.Function):
                 if ctx.needs_input_grad[2] else None
         grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return dg, du, grad_w, grad_b, None, None, None
+
+
+class _GLUProduct(torch.autograd.Function):
+    """h = act(g) * u, keeping g and u (or `codes`' compressed u), and offering h to its
+    reader as a recipe from them."""
+
+    @staticmethod
+    def forward(ctx, g, u, act, codes):
+        h = glu_ops().elementwise(g, u, act)
+        kept = (u,) if codes is None else codes.compress(u)
+        ctx.save_for_backward(g, *kept)
+        ctx.act, ctx.codes, ctx.u_dtype = act, codes, u.dtype
+        offer(h, None, (g, *kept), _Product(act, codes, u.shape, u.dtype))
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        g, *kept = ctx.saved_tensors
+        u = _restore(ctx.codes, kept, g.shape, ctx.u_dtype)
+        dg, du, _ = glu_ops().elementwise_backward(g, u, dh, ctx.act)
+        return dg, du, None, None
+
+
+class _Product:
+    """h from g and what MS-GLU keeps of u: the offer's recipe (holds no tensors)."""
+
+    def __init__(self, act, codes, shape, u_dtype):
+        self.act, self.codes, self.shape, self.u_dtype = act, codes, shape, u_dtype
+
+    def __call__(self, _, g, *kept, dtype):
+        u = _restore(self.codes, kept, self.shape, self.u_dtype)
+        return glu_ops().elementwise(g, u, self.act).to(dtype)
+
+
+def _restore(codes, kept, shape, dtype):
+    return kept[0] if codes is None else codes.restore(kept, shape, dtype)

@@ -37,6 +37,7 @@ from actdesign.errors import ActdesignError
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts
 from .edits import Edit, apply_all
+from .models import eval_mode
 from .sharing import kept_for, rebuild
 from .targets import is_causal_lm
 
@@ -103,16 +104,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         nll = torch.empty_like(lse)
         for a, b in _chunks(hidden.shape[0], chunk_size):
             ops.row_losses(hidden[a:b] @ w.T, targets[a:b], ignore_index, lse[a:b], nll[a:b])
-        kept, affine = kept_for(hidden)  # a final MS norm's x̂, where it offers it
-        ctx.save_for_backward(kept, weight, targets, lse, *(affine or (None, None)))
+        kept, extras, ctx.make = kept_for(hidden)  # a final MS norm's x̂, where it offers it
+        if kept is None:  # a recipe with nothing to slice per chunk: keep the hidden states
+            kept, extras, ctx.make = hidden, (), None
+        ctx.save_for_backward(kept, weight, targets, lse, *extras)
         ctx.ignore_index, ctx.chunk_size, ctx.dtype = ignore_index, chunk_size, dtype
-        ctx.hidden_dtype, ctx.rebuilds = hidden.dtype, affine is not None
+        ctx.hidden_dtype = hidden.dtype
         return nll.sum()
 
     @staticmethod
     def backward(ctx, grad_total):
-        kept, weight, targets, lse, *affine = ctx.saved_tensors
-        affine = affine if ctx.rebuilds else None
+        kept, weight, targets, lse, *extras = ctx.saved_tensors
         ops, w, wide = loss_ops(), weight.to(ctx.dtype), _wide(ctx.dtype)
         grad_hidden = torch.empty(kept.shape, dtype=ctx.hidden_dtype, device=kept.device) \
             if ctx.needs_input_grad[0] else None
@@ -120,7 +122,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         with torch.autocast(kept.device.type, enabled=False):
             for a, b in _chunks(kept.shape[0], ctx.chunk_size):
-                hidden = rebuild(kept[a:b], affine, ctx.hidden_dtype)  # a chunk at a time
+                hidden = rebuild(kept[a:b], extras, ctx.make, (b - a, kept.shape[1]),
+                                 ctx.hidden_dtype)  # a chunk at a time
                 dz = ops.logits_grad_(hidden @ w.T, targets[a:b], ctx.ignore_index,
                                       lse[a:b], grad_total)
                 if grad_hidden is not None:
@@ -181,8 +184,10 @@ def plan_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None)
                              "*LMHeadModel)")
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
-        raise ActdesignError(f"its output embedding is a {type(head).__name__}, not an "
-                             "nn.Linear")
+        adapted = " (PEFT trains it: a LoRA adapter or modules_to_save on the head)" \
+            if type(head).__module__.startswith("peft.") else ""
+        raise ActdesignError(f"its output embedding is a {type(head).__name__}{adapted}, "
+                             "not an nn.Linear: the fused loss reads the head's weight alone")
     if head.bias is not None:
         raise ActdesignError("its head has a bias, which the fused loss does not add")
     # What the forward does to the logits after the head, it does here to the hidden states:
@@ -218,18 +223,6 @@ def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=Non
 
 
 @contextlib.contextmanager
-def _eval_mode(model):
-    """The model in eval mode (no dropout), each module's own mode restored after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-@contextlib.contextmanager
 def _returning_input(head):
     """The head returns its input while open, through a hook removed after."""
     handle = head.register_forward_hook(lambda module, args, output: args[0])
@@ -245,7 +238,7 @@ def _probe_losses(model, head, chunk_size, probe):
         return fused_linear_cross_entropy(hidden, head.weight, chunk_size=chunk_size,
                                           **loss_inputs)
 
-    with _eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         expected = model(**probe).loss
         got = _fused_call(model.forward, lambda: _returning_input(head), loss_of, (), probe)
     return expected, got.loss
@@ -264,6 +257,11 @@ def _fused_forward(forward):
             head = self.get_output_embeddings()
             if not (self.training and torch.is_grad_enabled()):  # logits wanted: eval, no grad
                 return self.unfused_forward(*args, **kwargs)
+            if not isinstance(head, FusedLossHead):  # the loss would skip what wraps it
+                raise ActdesignError(f"the output head is a {type(head).__name__}: it was "
+                                     "wrapped after compress (a PEFT adapter on it), and the "
+                                     "fused loss reads the head's weight; wrap the model first "
+                                     "(get_peft_model), then compress")
             return _fused_call(self.unfused_forward, head.deferring, _head_loss(head), args,
                                kwargs)
 

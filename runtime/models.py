@@ -9,6 +9,7 @@ arguments. transformers models need no make_batch: their inputs follow from the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -106,12 +107,23 @@ def is_transformers(model) -> bool:
     return hasattr(model, "config") and type(model).__module__.startswith("transformers.")
 
 
+def transformers_model(model):
+    """The transformers model: `model` itself, or the one a PEFT model wraps; else None."""
+    if is_transformers(model):
+        return model
+    inner = model.get_base_model() if type(model).__module__.startswith("peft.") \
+        and hasattr(model, "get_base_model") else None
+    return inner if inner is not None and is_transformers(inner) else None
+
+
 def example_batch(model, batch: int, seq: int, make_batch=None, seed: int = 0):
-    """Random inputs of the given shape, with labels where the model computes a loss."""
+    """Random inputs of the given shape, with labels where the model computes a loss (for a
+    transformers model, or a PEFT model wrapping one)."""
     if make_batch is not None:
         return make_batch(batch, seq)
-    if not is_transformers(model):
-        raise ActdesignError(f"{type(model).__name__} is not a transformers model: give its "
+    outer, model = model, transformers_model(model)
+    if model is None:
+        raise ActdesignError(f"{type(outer).__name__} is not a transformers model: give its "
                              "inputs (example_inputs, or make_batch from the builder)")
     config = model.config
     g = torch.Generator().manual_seed(seed)
@@ -148,3 +160,15 @@ def loss_of(output) -> torch.Tensor:
         leaves = output.values() if isinstance(output, dict) else output
         output = next(t for t in leaves if isinstance(t, torch.Tensor))
     return output.float().square().mean()
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """The model in eval mode (no dropout), each module's own mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training

@@ -21,7 +21,7 @@ from actdesign.errors import ActdesignError
 
 from .cache import generated
 from .quantized import _QuantizedInput
-from .sharing import offer
+from .sharing import offer_affine
 
 
 def norm_ops():
@@ -74,7 +74,7 @@ class _MSNorm(nn.Module):
 
     def _normalize(self, x, out_dtype, gamma, bias):
         def offered(y, xhat):
-            offer(y, xhat, gamma, bias)
+            offer_affine(y, xhat, gamma, bias)
 
         affine = gamma is not None or bias is not None
         return norm_ops().apply(self.kind, x, self.eps, out_dtype, gamma, bias,
@@ -156,7 +156,7 @@ class _KeepingCodes(torch.autograd.Function):
         y = xhat
         if gamma is not None or bias is not None:
             y = ops.affine(xhat, gamma, bias, out_dtype)
-            offer(y, xhat, gamma, bias)
+            offer_affine(y, xhat, gamma, bias)
         ctx.save_for_backward(rstd, gamma, *codes)
         ctx.norm, ctx.shape, ctx.dtype, ctx.input_dtype = norm, y.shape, y.dtype, x.dtype
         ctx.param_dtypes = tuple(None if t is None else t.dtype for t in (gamma, bias))

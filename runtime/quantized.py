@@ -86,6 +86,14 @@ class _QuantizedInput:
         return super().extra_repr() + f", bits={bits}, group_size={self.group_size}"
 
 
+class InputCodes(_QuantizedInput):
+    """The codes of a layer's input, on their own: what a LoRA adapter path keeps of x for
+    A's gradient under an ActNN rule (its frozen base layer keeps nothing)."""
+
+    def __init__(self, bits=2, group_size=256):
+        self._setup(bits, group_size)
+
+
 class QLinear(_QuantizedInput, CompressedLinear):
     """nn.Linear keeping its input as b-bit group codes for the weight gradient."""
 

@@ -4,7 +4,9 @@ An MS norm's output is y = x̂·γ + β, and the norm keeps x̂ for its own back
 reading y needs y only for its weight gradient: instead of y it keeps a reference to that same
 x̂, with γ and β (parameters the model holds anyway), and rebuilds y in its backward with the
 norm's own `affine`, bit for bit. So x̂ is stored once for the norm and all its readers, and
-the norm keeps its parameters: nothing is folded, nothing is reparametrised.
+the norm keeps its parameters: nothing is folded, nothing is reparametrised. MS-GLU offers
+its product h = act(g)·u the same way, from the g and u it keeps (a LoRA down projection reads
+h), and so may any producer: a recipe that rebuilds y from tensors it keeps anyway.
 
 The offer is an attribute of y, valid while y is unchanged (its version counter). A reader
 may hold a view of every element of y (transformers slices `h[:, 0:]` before the head, and a
@@ -21,14 +23,14 @@ from actdesign.codegen.render import render_norms
 
 from .cache import generated
 
-_NORM_OUTPUT = "_actdesign_norm_output"
+_OFFER = "_actdesign_offer"
 
 
 @dataclass(frozen=True)
-class _Affine:
-    xhat: torch.Tensor
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
+class _Offer:
+    primary: torch.Tensor | None  # kept in y's place, and a reader may compress it (x̂)
+    extras: tuple  # kept as they are (γ and β; a gated MLP's g and u)
+    make: object  # make(primary, *extras, dtype=...) -> y
     version: int
 
 
@@ -53,27 +55,44 @@ def _covered(x):
     return x
 
 
-def offer(y, xhat, weight, bias) -> None:
-    """Tell the readers of y = affine(x̂, weight, bias) that they may keep x̂ instead."""
+def offer(y, primary, extras, make) -> None:
+    """Tell the readers of y = make(primary, *extras, dtype=y.dtype) that they may keep `primary`
+    (or a compressed copy of it) and `extras` instead of y: tensors its producer keeps
+    anyway. `make` holds no tensors."""
     if torch.compiler.is_compiling():
         return
-    setattr(y, _NORM_OUTPUT, _Affine(xhat, weight, bias, y._version))
+    setattr(y, _OFFER, _Offer(primary, tuple(extras), make, y._version))
+
+
+def offer_affine(y, xhat, weight, bias) -> None:
+    """Tell the readers of y = affine(x̂, weight, bias), an MS norm's output, that they may
+    keep x̂ instead."""
+    offer(y, xhat, (weight, bias), _affine)
+
+
+def _affine(xhat, weight, bias, dtype):
+    return generated(render_norms).affine(xhat, weight, bias, dtype)
 
 
 def kept_for(x):
-    """(the tensor to keep for x, (weight, bias) to rebuild x from it with `rebuild`, or None
-    when the tensor is x itself)."""
+    """(primary, extras, make): what to keep for x. `primary` (x itself, or what its producer
+    offers, such as x̂) may be compressed; `extras` are kept as they are; `make` is None when
+    primary is x itself. `rebuild` turns them back into x."""
     if torch.compiler.is_compiling():
-        return x, None
+        return x, (), None
     base = _covered(x)
-    got = getattr(base, _NORM_OUTPUT, None)
+    got = getattr(base, _OFFER, None)
     if got is None or got.version != base._version:
-        return x, None
-    return (got.xhat if x is base else got.xhat.view(x.shape)), (got.weight, got.bias)
+        return x, (), None
+    primary = got.primary
+    if primary is not None and x is not base:
+        primary = primary.view(x.shape)
+    return primary, got.extras, got.make
 
 
-def rebuild(kept, affine, dtype):
-    """x from what `kept_for` gave: the norm's affine of x̂, in x's dtype; or x itself."""
-    if affine is None:
-        return kept
-    return generated(render_norms).affine(kept, *affine, dtype)
+def rebuild(primary, extras, make, shape, dtype):
+    """x, of `shape` and `dtype`, from what `kept_for` gave (primary restored if it was
+    compressed): bit for bit the tensor its producer made."""
+    if make is None:
+        return primary
+    return make(primary, *extras, dtype=dtype).view(shape)

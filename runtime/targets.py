@@ -77,11 +77,53 @@ def is_norm(m: nn.Module) -> bool:
 
 
 def is_gated_mlp(m: nn.Module) -> bool:
-    """Shaped like a gated MLP: Linear gate_proj, up_proj, down_proj and an act_fn module
-    (whether it computes down(act(gate(x)) * up(x)) is checked when it is replaced)."""
-    return all(type(getattr(m, n, None)) is nn.Linear for n in ("gate_proj", "up_proj",
-                                                                   "down_proj")) \
+    """Shaped like a gated MLP: gate_proj, up_proj, down_proj Linear layers (or PEFT LoRA
+    layers on them) and an act_fn module (whether it computes down(act(gate(x)) * up(x)) is
+    checked when it is replaced)."""
+    return all(_projection(getattr(m, n, None)) for n in ("gate_proj", "up_proj", "down_proj")) \
         and isinstance(getattr(m, "act_fn", None), nn.Module)
+
+
+def _projection(m) -> bool:
+    return type(m) is nn.Linear or (is_lora_linear(m) and type(m.base_layer) is nn.Linear)
+
+
+# --- PEFT: classes matched by name and module, so peft need not be installed ---------------
+
+def _from_peft(m: nn.Module, *class_names: str) -> str | None:
+    """The first of `class_names` that is a PEFT class among m's classes, or None."""
+    for cls in type(m).__mro__:
+        if cls.__name__ in class_names and cls.__module__.startswith("peft."):
+            return cls.__name__
+    return None
+
+
+def is_lora_linear(m: nn.Module) -> bool:
+    """A PEFT LoRA layer computing base(x) + s·B(A(drop(x))) for each adapter: lora.Linear
+    with no LoRA variant (DoRA and the like) on any adapter."""
+    return type(m).__name__ == "Linear" and type(m).__module__ == "peft.tuners.lora.layer" \
+        and not getattr(m, "lora_variant", None) and not any(getattr(m, "use_dora", {}).values())
+
+
+def peft_refusal(m: nn.Module) -> str | None:
+    """Why compress leaves a PEFT layer (and what it holds) as it is, or None when it is not
+    one, or is a LoRA layer compress supports."""
+    if is_lora_linear(m):
+        return None
+    wrapper = _from_peft(m, "AuxiliaryTrainingWrapper")
+    if wrapper is not None:
+        return ("PEFT trains a copy of it (modules_to_save or trainable tokens) and its "
+                "wrapper picks which copy runs: left as it is")
+    if _from_peft(m, "BaseTunerLayer") is None:
+        return None
+    if type(m).__module__.startswith("peft.tuners.lora"):
+        if type(m).__name__ == "Linear":
+            return ("a LoRA variant (DoRA or another) computes more than base(x) + s·B(A(x)): "
+                    "PEFT's own forward runs")
+        return (f"LoRA on a {type(m).__name__} layer (only Linear layers take the lean LoRA "
+                "path): PEFT's own forward runs")
+    return (f"a PEFT {type(m).__module__.split('.')[2]} adapter layer (only LoRA is "
+            "supported): PEFT's own forward runs")
 
 
 def is_causal_lm(m: nn.Module) -> bool:
@@ -112,15 +154,16 @@ def is_rotary_attention(m: nn.Module) -> bool:
 
 
 def target_of(m: nn.Module) -> str | None:
-    """'activation', 'norm', 'linear', 'conv2d', 'glu', 'attention' (rotary), 'head' (a
-    causal LM, whose loss and head are one), or None for a module no policy touches."""
+    """'activation', 'norm', 'linear' (a PEFT LoRA layer too), 'conv2d', 'glu', 'attention'
+    (rotary), 'head' (a causal LM, whose loss and head are one), or None for a module no
+    policy touches."""
     if is_causal_lm(m):
         return "head"
     if is_gated_mlp(m):
         return "glu"
     if is_rotary_attention(m):
         return "attention"
-    if type(m) is nn.Linear or is_hf_conv1d(m):
+    if type(m) is nn.Linear or is_hf_conv1d(m) or is_lora_linear(m):
         return "linear"
     if type(m) is nn.Conv2d:
         return "conv2d"
@@ -132,5 +175,6 @@ def target_of(m: nn.Module) -> str | None:
 
 
 def linear_like(m: nn.Module) -> bool:
-    """Layers that can read an MS norm's x̂: y = x·Wᵀ + b over the last dimension."""
-    return isinstance(m, nn.Linear) or is_hf_conv1d(m)
+    """Layers that can read an MS norm's x̂: y = x·Wᵀ + b over the last dimension (a LoRA
+    layer adds s·B(A(drop(x))): its adapter path reads x̂ too)."""
+    return isinstance(m, nn.Linear) or is_hf_conv1d(m) or is_lora_linear(m)

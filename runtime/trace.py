@@ -17,6 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from .accounting import observer
 from .targets import linear_like
 
 # Calls that read only metadata.
@@ -75,18 +76,23 @@ class _Probe(TorchFunctionMode):
         name = _name(func)
         if name in _METADATA:
             return out
-        top, top_input = self.stack[-1] if self.stack else (None, None)
         for norm in hits:
-            if top is not None and linear_like(top) and id(top_input) in self.norm_of \
-                    and self.norm_of[id(top_input)] == norm:
-                if top not in self.consumers[norm]:
-                    self.consumers[norm].append(top)
+            reader = self._reader(norm)
+            if reader is not None:
+                if reader not in self.consumers[norm]:
+                    self.consumers[norm].append(reader)
             elif name in _ROW_VIEWS and self._keeps_rows(args, out, norm, name):
                 self.watch(out, norm)
             else:
                 self.blocked.setdefault(norm, f"its output also feeds {name} outside a "
                                               "Linear layer")
         return out
+
+    def _reader(self, norm):
+        """The outermost Linear-like module running whose input is the norm's output (a
+        LoRA layer, rather than the base layer inside it), or None."""
+        return next((m for m, first in self.stack if linear_like(m)
+                     and self.norm_of.get(id(first)) == norm), None)
 
     def _keeps_rows(self, args, out, norm, name) -> bool:
         if not isinstance(out, torch.Tensor) or out.dim() == 0 \
@@ -101,9 +107,11 @@ class _Probe(TorchFunctionMode):
 def _module_hooks(model: torch.nn.Module, pre, post):
     """pre(module, its first input) before and post(module, its output) after every module's
     forward, while the context is open."""
+    @observer
     def before(module, args, kwargs):
         pre(module, args[0] if args else next(iter(kwargs.values()), None))
 
+    @observer
     def after(module, args, kwargs, output):
         post(module, output)
 
@@ -156,12 +164,13 @@ def inputs_kept_elsewhere(model: torch.nn.Module, candidates: set, run) -> set:
     not a candidate (attention keeping its output, which the next projection reads; a norm
     keeping its output): a compressed copy of that input would add bytes, not replace
     them. Found on one forward of `run()` with grad, noting who saves each storage."""
-    stack, inputs, savers = [], {}, {}
+    stack, inputs, savers, alive = [], {}, {}, []
 
     def pre(module, first):
         stack.append(module)
         if module in candidates and isinstance(first, torch.Tensor):
             inputs[module] = first.untyped_storage().data_ptr()
+            alive.append(first)  # its address stays its own: no later storage reuses it
 
     def pack(t):
         owner = next((m for m in reversed(stack) if m in candidates), None)

@@ -142,13 +142,13 @@ def test_the_readers_rebuild_the_norms_output_bit_for_bit(kind, mode, backend, m
         y = norm(x)
     assert y.dtype == (torch.float32 if mode == "fp32" else torch.bfloat16)
     for view in (y, y[:, 0:], y.reshape(-1, 40)):
-        kept, affine = kept_for(view)
-        assert affine is not None and kept.untyped_storage().data_ptr() != \
+        kept, extras, make = kept_for(view)
+        assert make is not None and kept.untyped_storage().data_ptr() != \
             y.untyped_storage().data_ptr()
-        assert torch.equal(rebuild(kept, affine, y.dtype), view)
-    assert kept_for(y[:, 1:])[1] is None  # a part of y: kept as it is
+        assert torch.equal(rebuild(kept, extras, make, view.shape, y.dtype), view)
+    assert kept_for(y[:, 1:])[2] is None  # a part of y: kept as it is
     y.mul_(2)  # changed in place: the offer no longer holds
-    assert kept_for(y)[1] is None
+    assert kept_for(y)[2] is None
 
 
 def test_sharing_a_two_block_pre_norm_transformer_changes_nothing():

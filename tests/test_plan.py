@@ -16,6 +16,8 @@ compress_module = importlib.import_module("actdesign.runtime.compress")
 pytest.importorskip("transformers")
 
 CASES = [("llama-tiny", "llm+actnn2"), ("gpt2-tiny", "fewbit3+msnorm+actnn2")]
+# and a PEFT LoRA model, whose layers get instance forwards and new base layers
+APPLIED = CASES + [("llama-tiny+lora", "llm+actnn2")]
 # Every function that runs the model, a part of it or a module's code on a probe.
 PROBES = [(compress_module, "account"), (compress_module, "inputs_kept_elsewhere"),
           (compress_module, "norm_consumers"), (models, "call"), (lm_loss, "_probe_losses"),
@@ -64,8 +66,13 @@ def counting(monkeypatch, owner, name, fail_at=None):
 
 
 def model_for(name):
-    model = models.build(name)[0].train()
+    model = models.build(name.removesuffix("+lora"))[0].train()
     model.lm_head.register_forward_hook(lambda *args: None)  # a user's hook stays
+    if name.endswith("+lora"):
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                   "gate_proj", "up_proj", "down_proj"]))
     return model
 
 
@@ -82,7 +89,7 @@ def test_compress_draws_no_random_numbers_of_the_run():
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
-@pytest.mark.parametrize("name, policy", CASES)
+@pytest.mark.parametrize("name, policy", APPLIED)
 def test_a_dry_run_reports_the_plan_and_changes_nothing(name, policy):
     model = model_for(name)
     before = snapshot(model)
@@ -143,7 +150,7 @@ def test_a_fault_in_any_module_call_leaves_the_model_as_it_was(name, policy, mon
     assert raised >= 16
 
 
-@pytest.mark.parametrize("name, policy", CASES)
+@pytest.mark.parametrize("name, policy", APPLIED)
 def test_a_fault_in_any_assignment_takes_back_those_made(name, policy, monkeypatch):
     model = model_for(name)
     before = snapshot(model)
