@@ -90,12 +90,10 @@ def _projection(m) -> bool:
 
 # --- PEFT: classes matched by name and module, so peft need not be installed ---------------
 
-def _from_peft(m: nn.Module, *class_names: str) -> str | None:
-    """The first of `class_names` that is a PEFT class among m's classes, or None."""
-    for cls in type(m).__mro__:
-        if cls.__name__ in class_names and cls.__module__.startswith("peft."):
-            return cls.__name__
-    return None
+def _is_peft(m: nn.Module, class_name: str) -> bool:
+    """Whether m is an instance of PEFT's class of that name."""
+    return any(cls.__name__ == class_name and cls.__module__.startswith("peft.")
+               for cls in type(m).__mro__)
 
 
 def is_lora_linear(m: nn.Module) -> bool:
@@ -110,11 +108,10 @@ def peft_refusal(m: nn.Module) -> str | None:
     one, or is a LoRA layer compress supports."""
     if is_lora_linear(m):
         return None
-    wrapper = _from_peft(m, "AuxiliaryTrainingWrapper")
-    if wrapper is not None:
+    if _is_peft(m, "AuxiliaryTrainingWrapper"):
         return ("PEFT trains a copy of it (modules_to_save or trainable tokens) and its "
                 "wrapper picks which copy runs: left as it is")
-    if _from_peft(m, "BaseTunerLayer") is None:
+    if not _is_peft(m, "BaseTunerLayer"):
         return None
     if type(m).__module__.startswith("peft.tuners.lora"):
         if type(m).__name__ == "Linear":
@@ -175,6 +172,8 @@ def target_of(m: nn.Module) -> str | None:
 
 
 def linear_like(m: nn.Module) -> bool:
-    """Layers that can read an MS norm's x̂: y = x·Wᵀ + b over the last dimension (a LoRA
-    layer adds s·B(A(drop(x))): its adapter path reads x̂ too)."""
-    return isinstance(m, nn.Linear) or is_hf_conv1d(m) or is_lora_linear(m)
+    """Layers that can read an MS norm's x̂: y = x·Wᵀ + b over the last dimension, casting x
+    to the autocast dtype as the norm emits it (a LoRA layer on one adds s·B(A(drop(x))):
+    its adapter path reads x̂ too; another base, a quantized one, may read the dtype)."""
+    return isinstance(m, nn.Linear) or is_hf_conv1d(m) \
+        or (is_lora_linear(m) and linear_like(m.base_layer))

@@ -328,7 +328,9 @@ def test_the_adapter_path_adds_only_a_per_token_and_nothing_for_dropout():
 
 def test_a_frozen_base_that_is_not_a_linear_is_called_as_a_module():
     """A quantized base (bitsandbytes' Linear4bit on CUDA) stands here as an int8 module PEFT
-    takes through its custom-module registry: the lean path calls it, keeps nothing for it."""
+    takes through its custom-module registry: the lean path calls it, keeps nothing for it.
+    A norm before it stays as it is: such a base may read its input's dtype, which an MS norm
+    would change under autocast."""
     from peft.tuners import lora
 
     class Int8Linear(nn.Module):
@@ -357,10 +359,10 @@ def test_a_frozen_base_that_is_not_a_linear_is_called_as_a_module():
     ours = copy.deepcopy(model)
     x = torch.randn(4, 6, 32)
     report = compress(ours, "msnorm", x)
-    assert len(lean_layers(ours)) == 1 and not report.skipped  # the norm's reader
-    report = compress(ours, {"rules": [{"target": "linear", "apply": "lean"}]})
-    assert len(lean_layers(ours)) == 2 and [c.name for c in report.replaced] == \
-        ["base_model.model.3"]  # the first is not planned again
+    assert not lean_layers(ours) and "outside a Linear layer" in report.skipped[0][2]
+    report = compress(ours, {"rules": [{"target": "linear", "apply": "lean"}]}, x)
+    assert len(lean_layers(ours)) == 2 and not report.skipped
+    assert not compress(ours, {"rules": [{"target": "linear", "apply": "lean"}]}).replaced
     base = ours.base_model.model[1].base_layer
     assert type(base) is Int8Linear
     calls = base.calls
@@ -373,9 +375,8 @@ def test_a_frozen_base_that_is_not_a_linear_is_called_as_a_module():
         results.append((out, xi.grad, [p.grad for n, p in m.named_parameters() if "lora" in n]))
     assert base.calls == calls + 1
     (out1, dx1, g1), (out0, dx0, g0) = results
-    # the MS norm sums in another order than torch's LayerNorm: float32 ulps of the scale
-    for a, b in ((out1, out0), (dx1, dx0), *zip(g1, g0, strict=True)):
-        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    assert torch.equal(out1, out0) and torch.equal(dx1, dx0)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g0, strict=True))
 
 
 # --- portable adapters ----------------------------------------------------------------------
