@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/models.py --quick
 	$(BIN)/python benchmarks/models.py --quick --precision bf16-autocast --policies fewbit3+msnorm llm
 	$(BIN)/python benchmarks/llm_memory.py --quick --repeats 1
+	$(BIN)/python benchmarks/lora_memory.py --quick --repeats 1
 	$(BIN)/python benchmarks/convergence.py --quick
 	$(BIN)/python benchmarks/convergence.py --quick --arch llama --variants llm --precision bf16-autocast
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check, one short run on a machine with a GPU (about 8 minutes on an H200):
+# The device check, one short run on a machine with a GPU (about 11 minutes on an H200):
 #   1. gpu_check.py: every kernel against the CPU reference (bit for bit, or against float64),
 #      the single block's peak and what is allocated at it, GPT-2 and LLaMA profiles with the
 #      cost of actnn2 on the step;
@@ -8,15 +8,19 @@
 #      MS-GLU, the rotation and the fused loss against eager (and Liger's loss, if installed);
 #   3. llm_memory.py: peak and step time of llama, gpt2 and qwen2 at 16 x 1024 tokens in bf16
 #      autocast: baseline, checkpointing, our presets, Liger-Kernel when installed; and what
-#      is allocated at each setup's peak (why ours + checkpointing peaked above checkpointing).
+#      is allocated at each setup's peak (why ours + checkpointing peaked above checkpointing);
+#   4. lora_memory.py: LoRA through PEFT on a 1B-class LLaMA at 1 x 4096 tokens, bf16 weights:
+#      PEFT, PEFT + checkpointing, ours, Liger and Unsloth when installed (goal: peak <= 0.5x
+#      PEFT's at a step time no slower).
 # Each stage has its own time limit, so one slow stage cannot hide the others' results; where
 # one command may run 10 minutes at most, run the stages in two calls.
 # Usage, from the repository root:
 #   bash benchmarks/gpu.sh [OUTDIR [STAGES]]   (OUTDIR: $OUT or out; STAGES: comma-separated,
-#                                               default gpu_check,runtime,llm_memory)
+#                                               default gpu_check,runtime,llm_memory,
+#                                               lora_memory)
 set -u
 out=${1:-${OUT:-out}}
-stages=,${2:-gpu_check,runtime,llm_memory},
+stages=,${2:-gpu_check,runtime,llm_memory,lora_memory},
 mkdir -p "$out"
 python -m pip install --quiet --no-deps --no-build-isolation . || exit 2
 status=0
@@ -32,5 +36,14 @@ stage() {  # stage NAME SECONDS COMMAND...: output to OUTDIR/NAME.txt and to the
 stage gpu_check 240 python benchmarks/gpu_check.py --device cuda
 stage runtime 210 python benchmarks/runtime.py --device cuda --acts gelu --markdown
 stage llm_memory 180 python benchmarks/llm_memory.py --device cuda --batch 16 --seq 1024 --at-peak \
+    --repeats 5 --markdown
+# The device may lack PEFT and cannot download: carry their wheels in $WHEELS (default wheels/,
+# made here by `pip download --no-deps -d wheels peft accelerate`).
+if [[ $stages == *,lora_memory,* ]] && ! python -c "import peft" 2>/dev/null; then
+    python -m pip install --quiet --no-deps --no-index --find-links "${WHEELS:-wheels}" \
+        peft accelerate || echo "== lora_memory: peft is not installed and no wheel was carried"
+fi
+stage lora_memory 200 python benchmarks/lora_memory.py --device cuda --model llama-1b --seq 4096 \
+    --rows peft peft+checkpointing llm llm+checkpointing llm+actnn2 liger unsloth --skip-full \
     --repeats 5 --markdown
 exit $status

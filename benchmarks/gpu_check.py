@@ -1,8 +1,9 @@
 """One short device check, for a machine with a GPU: correctness of the Triton kernels (few-bit
 ops, MS norms, ActNN quantization) against the CPU reference, bit for bit where the layout
-promises it (MS norms against float64), and the peak memory and step time of a transformer
-block with and without the activation-side methods, in bf16 autocast; then GPT-2 and LLaMA
-profiles under two policies, in bf16 autocast and in fp32.
+promises it (MS norms against float64), a PEFT LoRA model's gradients with dropout against
+PEFT's (the replayed mask on the device's generator), and the peak memory and step time of
+a transformer block with and without the activation-side methods, in bf16 autocast; then
+GPT-2 and LLaMA profiles under two policies, in bf16 autocast and in fp32.
 
 Run: .venv/bin/python benchmarks/gpu_check.py [--device cuda|cpu]
 (On CPU it exercises the same script against the numba and torch paths.)
@@ -237,6 +238,43 @@ def models(device):
                       f"(goal: at most +15% in bf16)", flush=True)
 
 
+def check_lora(device):
+    """PEFT LoRA with dropout on the device: the lean path replays the device generator's
+    mask and PEFT's ops, so with bf16 weights under autocast the loss and every adapter
+    gradient are PEFT's bit for bit."""
+    try:
+        import copy
+
+        import peft
+    except ImportError:
+        print("LoRA: peft is not installed here: skipped")
+        return True
+    model, _ = runtime.models.build("llama-tiny")
+    model = peft.get_peft_model(model.to(device, torch.bfloat16).train(), peft.LoraConfig(
+        r=8, lora_dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                               "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    ours = copy.deepcopy(model)
+    runtime.compress(ours, {"rules": [{"target": "linear", "apply": "lean"}]})
+    inputs = runtime.models.example_batch(model, 2, 64)
+    runs = []
+    for m in (model, ours):
+        torch.manual_seed(3)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = m(**inputs).loss
+        loss.backward()
+        runs.append((loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (loss0, grads0), (loss1, grads1) = runs
+    same = torch.equal(loss0, loss1) and grads0.keys() == grads1.keys() \
+        and all(torch.equal(grads1[n], g) for n, g in grads0.items())
+    print(f"LoRA, dropout 0.1, bf16 autocast: loss and {len(grads0)} adapter gradients "
+          f"PEFT's bit for bit: {same}")
+    return same
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -245,7 +283,7 @@ def main():
     ops = runtime.load(spec.from_fit(fit_stepwise("gelu", 3)))
     ok = check_fewbit(ops, device) & check_norms(device) & check_rebuild(device) \
         & check_actnn(device) \
-        & check_llm_ops(device)
+        & check_llm_ops(device) & check_lora(device)
     block_memory(device, ops)
     models(device)
     print("all exact checks passed" if ok else "SOME CHECKS FAILED")

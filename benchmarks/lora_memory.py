@@ -1,0 +1,178 @@
+"""Memory and time of a LoRA fine-tuning step through PEFT: PEFT alone, PEFT with gradient
+checkpointing, and PEFT then our presets (each with and without checkpointing); on CUDA also
+Liger-Kernel under PEFT and, when installed, Unsloth.
+
+    python benchmarks/lora_memory.py                       # llama built-in, 1 x 1024 tokens
+    python benchmarks/lora_memory.py --quick               # llama-tiny, 1 x 64
+    python benchmarks/lora_memory.py --model llama-1b --seq 4096 --device cuda
+
+The model: random weights from a transformers config (nothing downloaded), bf16 weights
+(`--weights`), LoRA r = 16 on all seven projections with float32 adapters (PEFT's default),
+one table per `--dropout`. Every row is a fresh model from the same seed; a step is forward
+under bf16 autocast, the model's own loss, backward and AdamW on the adapters. Columns:
+- peak: on CUDA the allocator's peak over the timed steps; on CPU the bytes saved for the
+  backward plus the largest activation-shaped temporary (as in llm_memory.py);
+- saved: the bytes autograd keeps for the backward, and their ratio to PEFT's;
+- vs no LoRA: saved bytes against the same setup on the same model without adapters (all
+  weights trainable): what the adapters' path adds (`--skip-full` leaves it out);
+- step time (median of `--repeats` after a warm-up) and the last loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from llm_memory import LIGER, measure  # noqa: E402
+from measure import emulate_bf16_matmuls, table  # noqa: E402
+
+from actdesign.runtime import account, compress, models  # noqa: E402
+from actdesign.runtime.profile import forward_context  # noqa: E402
+
+ROWS = ["peft", "peft+checkpointing", "llm", "llm+checkpointing", "llm+fewbit3",
+        "llm+fewbit3+checkpointing", "llm+actnn2", "llm+actnn2+checkpointing", "liger",
+        "unsloth"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# A 1B-class LLaMA (TinyLlama-1.1B's shape), for the GPU goal.
+LLAMA_1B = {"num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "intermediate_size": 5632, "vocab_size": 32000,
+            "max_position_embeddings": 4096}
+
+
+def base_model(name: str, weights: torch.dtype, device: str):
+    if name == "llama-1b":
+        import transformers
+
+        torch.manual_seed(0)
+        with torch.device(device):  # built where it runs: a CPU init of 1.1B weights is slow
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B))
+    else:
+        model, _ = models.build(name, seed=0)
+    return model.to(device, weights).train()
+
+
+def lora_config(dropout: float, rank: int):
+    import peft
+
+    return peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout,
+                           target_modules=TARGETS, task_type="CAUSAL_LM")
+
+
+def build(name, row, device, weights, dropout, rank, adapters=True):
+    """A fresh model for the row, or None where the row does not run here."""
+    import peft
+
+    checkpointing = row.endswith("checkpointing")
+    preset = row.removesuffix("checkpointing").rstrip("+")
+    if preset == "unsloth":
+        return _unsloth(name, device, weights, dropout, rank) if adapters else None
+    model = base_model(name, weights, device)
+    if preset == "liger":
+        family = name.removesuffix("-tiny").removesuffix("-1b")
+        try:
+            import liger_kernel.transformers as liger
+        except ImportError:
+            return None
+        if not device.startswith("cuda") or family not in LIGER:
+            return None
+        getattr(liger, LIGER[family])(model=model)
+    if checkpointing:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+    if adapters:
+        model = peft.get_peft_model(model, lora_config(dropout, rank))
+    if preset not in ("peft", "liger"):
+        compress(model, preset)  # PEFT first, then compress: the recommended order
+    return model
+
+
+def _unsloth(name, device, weights, dropout, rank):
+    """Unsloth's model with its own LoRA, loaded from the same random weights saved to a
+    temporary folder; None where Unsloth is not installed or cannot run (CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        from unsloth import FastLanguageModel
+    except ImportError:
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        base_model(name, weights, "cpu").save_pretrained(folder)
+        model, _ = FastLanguageModel.from_pretrained(folder, dtype=weights,
+                                                     load_in_4bit=False)
+    return FastLanguageModel.get_peft_model(model, r=rank, lora_alpha=2 * rank,
+                                            lora_dropout=dropout, target_modules=TARGETS,
+                                            use_gradient_checkpointing=False).train()
+
+
+def saved_bytes(model, inputs, device):
+    with forward_context("bf16-autocast", device), torch.enable_grad():
+        saved, out = account(model, lambda: models.loss_of(models.call(model, inputs)))
+    del out
+    return saved.total
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default=None, help="a built-in, or llama-1b")
+    parser.add_argument("--rows", nargs="+", default=ROWS)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--dropout", type=float, nargs="+", default=[0.05, 0.0])
+    parser.add_argument("--weights", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--skip-full", action="store_true",
+                        help="leave out the 'vs no LoRA' column (a second model per row)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames
+    name = args.model or ("llama-tiny" if args.quick else "llama")
+    seq = args.seq or (64 if args.quick else 1024)
+    weights = torch.bfloat16 if args.weights == "bf16" else torch.float32
+    emulate = emulate_bf16_matmuls(args.device, "bf16-autocast")
+    cuda = args.device.startswith("cuda")
+    where = torch.cuda.get_device_name(0) if cuda else "CPU"
+    print(f"{where}, {name}, {args.weights} weights under bf16 autocast, LoRA r={args.rank} on "
+          f"{len(TARGETS)} projections, batch {args.batch} x {seq} tokens, torch "
+          f"{torch.__version__}; peak: " + ("CUDA allocator" if cuda else
+                                            "saved for backward + largest temporary")
+          + ("; bf16 matmuls via float32 kernels" if emulate else ""), flush=True)
+    for dropout in args.dropout:
+        print(f"\nlora_dropout {dropout}")
+        row = table(["setup", "peak MiB", "peak ratio", "saved MiB", "saved ratio",
+                     "vs no LoRA", "step ms", "time ratio", "last loss"], args.markdown,
+                    width=11, first=26)
+        base = None
+        for setup in args.rows:
+            model = build(name, setup, args.device, weights, dropout, args.rank)
+            if model is None:
+                continue
+            inputs = models.example_batch(model, args.batch, seq)
+            saved = saved_bytes(model, inputs, args.device)
+            peak, seconds, loss = measure(model, inputs, args.device, "bf16-autocast",
+                                          args.repeats, emulate)
+            del model
+            full = None if args.skip_full else build(name, setup, args.device, weights,
+                                                     dropout, args.rank, adapters=False)
+            alone = "" if full is None else f"{saved / saved_bytes(full, inputs, args.device):.3f}"
+            del full
+            base = base or (peak, saved, seconds)
+            row([setup, f"{peak / 2**20:,.1f}", f"{peak / base[0]:.3f}",
+                 f"{saved / 2**20:,.1f}", f"{saved / base[1]:.3f}", alone,
+                 f"{seconds * 1e3:,.1f}", f"{seconds / base[2]:.2f}", f"{loss:.4f}"])
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
