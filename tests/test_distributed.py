@@ -14,6 +14,7 @@ have error bounds n·u·Σ|terms| with u = 1.1e-16, under 5e-14 of the summed ma
 that and far below any real difference, which is of the size of the gradients themselves.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -32,7 +33,7 @@ BATCH, TOKENS, WIDTH, HIDDEN = 8, 3, 16, 32
 ROUNDOFF = 1e-12
 DDP_CASES = ("fewbit3", "regelu2", "msnorm", "backrazor90", "actnn2")
 FSDP_CASE = "fewbit3+msnorm+backrazor90"  # every deterministic kind of module
-LM_CASES = [("fsdp-head", "llm"), ("wrapped", "llm")]
+LM_CASES = [("fsdp-head", "llm"), ("wrapped", "llm"), ("fsdp-lora", "llm")]
 # What each policy must replace, so that a no-op compress cannot pass.
 REPLACED = {"fewbit3": {"act"}, "regelu2": {"act"}, "msnorm": {"norm", "fc1"},
             "backrazor90": {"fc1", "fc2"}, "actnn2": {"fc1", "fc2"},
@@ -71,13 +72,25 @@ def make_model(policy):
     return model, report
 
 
-def make_lm():
+def make_lm(lora=False):
     """(llama-tiny compressed with `llm`, float64, dropout off, its token batch): the fused
-    loss reads the head's weight through the head's own call."""
+    loss reads the head's weight through the head's own call. With `lora`, PEFT LoRA on all
+    seven projections first (B drawn, so that A's gradients are not zero; no dropout, whose
+    masks depend on how the batch is split), the lean LoRA path on each."""
     from actdesign.runtime import models
 
     model, _ = models.build("llama-tiny")
     model = model.double().train()
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
     ids = torch.randint(1, 512, (BATCH, 6), generator=torch.Generator().manual_seed(3))
     report = compress(model, "llm", example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
     return model, report, ids
@@ -110,7 +123,7 @@ def run_lm_case(rank, mode):
     from actdesign.errors import ActdesignError
 
     local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-    model, _, ids = make_lm()
+    model, _, ids = make_lm(lora=mode == "fsdp-lora")
     if mode == "wrapped":
         refused = []
         for wrap in (DistributedDataParallel, fully_shard):
@@ -123,12 +136,14 @@ def run_lm_case(rank, mode):
                 refused.append(str(exc))
         return {"refused": refused}
     mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model.model.layers:
+    lm = model.get_base_model() if mode == "fsdp-lora" else model
+    for layer in lm.model.layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model.lm_head, mesh=mesh)  # the head its own unit, as some frameworks wrap it
+    fully_shard(lm.lm_head, mesh=mesh)  # the head its own unit, as some frameworks wrap it
     fully_shard(model, mesh=mesh)
     loss = lm_step(model, ids[local])
-    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()
+             if p.grad is not None}
     dist.all_reduce(loss)
     return {"loss": loss / WORLD, "grads": grads}
 
@@ -190,10 +205,13 @@ def reference():
         assert {c.name for c in report.replaced} == REPLACED[policy], str(report)
         loss = step(model, *batch())
         out[policy] = loss, {name: p.grad for name, p in model.named_parameters()}
-    model, report, ids = make_lm()
-    assert any(c.new.startswith("FusedLossHead") for c in report.replaced), str(report)
-    loss = lm_step(model, ids)
-    out["llm"] = loss, {name: p.grad for name, p in model.named_parameters()}
+    for lora in (False, True) if importlib.util.find_spec("peft") else (False,):
+        model, report, ids = make_lm(lora)
+        assert any(c.new.startswith("FusedLossHead") for c in report.replaced), str(report)
+        assert sum(c.new.startswith("lean LoRA") for c in report.replaced) == 14 * lora
+        loss = lm_step(model, ids)
+        out["llm+lora" if lora else "llm"] = loss, {
+            name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     return out
 
 
@@ -250,6 +268,12 @@ def test_fsdp2_matches_one_process(reference, ranks):
 
 def test_fsdp2_with_the_head_its_own_unit_matches_one_process(reference, ranks):
     assert_matches(results_of(ranks, ("fsdp-head", "llm")), *reference["llm"])
+
+
+def test_fsdp2_on_a_compressed_peft_lora_model_matches_one_process(reference, ranks):
+    pytest.importorskip("peft")  # PEFT first, then compress, then fully_shard
+    assert len(reference["llm+lora"][1]) == 28  # A and B of 14 layers; the rest is frozen
+    assert_matches(results_of(ranks, ("fsdp-lora", "llm")), *reference["llm+lora"])
 
 
 def test_compress_refuses_a_model_wrapped_already(ranks):
