@@ -55,6 +55,10 @@ class LeanLoRA:
         cast = a.weight.dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
         drop = layer.lora_dropout[adapter]
         p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
+        device = x.device.type
+        if not p and torch.is_autocast_enabled(device) \
+                and torch.get_autocast_dtype(device) == x.dtype:
+            cast = None  # A's product casts x back: a round trip through float32, a no-op
         path = _AdapterPath.apply(x, a.weight, b.weight, b.bias, layer.scaling[adapter],
                                   cast, float(p), self.keeper)
         return (result + path).to(result.dtype)  # as PEFT adds and casts

@@ -130,13 +130,15 @@ def test_gpt2_conv1d_layers_with_fan_in_fan_out():
     assert_same_step(ours, model, batch(model), rtol=1e-5)
 
 
-def test_bf16_weights_under_autocast_are_peft_bit_for_bit():
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_bf16_weights_under_autocast_are_peft_bit_for_bit(dropout):
     """bf16 weights, float32 adapters (PEFT's default), autocast: the adapter path runs
     PEFT's own ops with the same mask, bit for bit. With MS norms the forward is still bit
     for bit (they emit what the eager norms emit); their backward rounds once in float32
     where eager rounds each op to bf16, so the gradients move: all together, by less than
-    bf16 moves eager's from float32's."""
-    model = lora_model(dtype=torch.bfloat16)
+    bf16 moves eager's from float32's. Without dropout the lean path skips PEFT's cast of x
+    to float32, which A's product casts back: the same bits."""
+    model = lora_model(dtype=torch.bfloat16, lora_dropout=dropout)
     inputs = batch(model)
     lean = copy.deepcopy(model)
     compress(lean, {"rules": [{"target": "linear", "apply": "lean"}]})
