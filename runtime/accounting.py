@@ -29,6 +29,13 @@ def observer(hook):
     return hook
 
 
+def hooked(module: torch.nn.Module) -> bool:
+    """Whether a forward hook that may act (not an `observer`) is on the module: layers that
+    compute a part they hold from its weight do so only while none is."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    return any(not getattr(hook, "observes_only", False) for hook in hooks)
+
+
 def account(model: torch.nn.Module, run) -> tuple[SavedBytes, object]:
     """(the bytes `run()`'s forward saves for backward, by module; run()'s result)."""
     names = {m: n for n, m in model.named_modules()}

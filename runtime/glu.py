@@ -33,6 +33,7 @@ from torch import nn
 from actdesign.codegen.render import render_glu
 from actdesign.errors import ActdesignError
 
+from .accounting import hooked
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts
 from .models import eval_mode
@@ -99,7 +100,7 @@ class MSGLU(_QuantizedInput, nn.Module):
         down = self.down_proj
         g, u = self.gate_proj(x), self.up_proj(x)
         codes = None if self.bits is None else self
-        if type(down) is not LeanLinear or down._forward_hooks or down._forward_pre_hooks:
+        if type(down) is not LeanLinear or hooked(down):
             return down(_GLUProduct.apply(g, u, self.act, codes))  # a module call: it runs
         weight = down.weight
         dtype, (bias,) = autocast_casts(weight, down.bias)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .accounting import hooked
 from .compressed import LeanLinear
 from .edits import Edit
 from .sharing import kept_for, rebuild
@@ -74,16 +75,10 @@ def _plain(layer) -> str | None:
         return None
     (name,) = active
     a, b, drop = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
-    plain = all(type(m) is nn.Linear and not _hooked(m) for m in (a, b)) and a.bias is None \
+    plain = all(type(m) is nn.Linear and not hooked(m) for m in (a, b)) and a.bias is None \
         and (type(drop) is nn.Identity or (type(drop) is nn.Dropout and not drop.inplace
-                                           and drop.p < 1 and not _hooked(drop)))
+                                           and drop.p < 1 and not hooked(drop)))
     return name if plain else None
-
-
-def _hooked(m: nn.Module) -> bool:
-    """Whether a hook that may act (not only observe: `accounting.observer`) is on m."""
-    hooks = (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
-    return any(not getattr(hook, "observes_only", False) for hook in hooks)
 
 
 def plan_lora(layer: nn.Module, keeper=LeanLinear) -> list[Edit]:

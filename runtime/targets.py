@@ -117,7 +117,7 @@ def peft_refusal(m: nn.Module) -> str | None:
         if type(m).__name__ == "Linear":
             return ("a LoRA variant (DoRA or another) computes more than base(x) + s·B(A(x)): "
                     "PEFT's own forward runs")
-        return (f"LoRA on a {type(m).__name__} layer (only Linear layers take the lean LoRA "
+        return (f"LoRA on {type(m).__name__} layers (only Linear layers take the lean LoRA "
                 "path): PEFT's own forward runs")
     return (f"a PEFT {type(m).__module__.split('.')[2]} adapter layer (only LoRA is "
             "supported): PEFT's own forward runs")

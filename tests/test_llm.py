@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import LeanLinear, MSRMSNorm, compress, models
+from actdesign.runtime import LeanLinear, MSRMSNorm, account, compress, models
 from actdesign.runtime.glu import MSGLU, glu_ops
 from actdesign.runtime.lm_loss import (
     FusedLossHead,
@@ -420,6 +420,39 @@ def test_eager_ms_glu_skips_the_custom_op_dispatch(monkeypatch):
     y.sum().backward()
     assert torch.equal(y, y_ref)
     assert all(torch.equal(p.grad, r) for p, r in zip(ours.parameters(), grads_ref, strict=True))
+
+
+def test_a_down_projection_with_hooks_is_called_as_a_module():
+    """A hook that may act on down_proj (a wrapper's) runs: MS-GLU calls it as a module on h,
+    offered as a recipe from g and u, with the same results and nothing more kept. A hook that
+    only observes (accounting's) leaves the fused path, so that gradient checkpointing sees the
+    same saved tensors when it runs the forward again without it."""
+    eager = llama_mlp()
+    ours = MSGLU.from_module(copy.deepcopy(eager))
+    x = torch.randn(3, 32, requires_grad=True)
+    y0 = ours(x)
+    y0.square().sum().backward()
+    grads0 = [p.grad.clone() for p in ours.parameters()]
+    ours.zero_grad()
+    seen = []
+    ours.down_proj.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y1 = ours(x)
+    y1.square().sum().backward()
+    assert seen == [(3, 80)]
+    assert torch.equal(y1, y0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(ours.parameters(), grads0, strict=True))
+    storages = {t.untyped_storage().data_ptr() for t in kept if t.shape == (3, 80)}
+    assert len(storages) == 2  # g and u: no h
+
+    model = models.build("llama-tiny")[0].train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compress(model, "llm")
+    inputs = models.example_batch(model, 1, 16)
+    saved, out = account(model, lambda: model(**inputs).loss)
+    out.backward()  # no CheckpointError: the same path in the forward and its recompute
+    assert saved.total > 0
 
 
 def test_modules_that_are_not_gated_mlps_are_refused():

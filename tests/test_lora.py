@@ -453,7 +453,7 @@ def test_what_is_not_exact_is_refused_in_the_report_and_the_rest_applies(case):
     report = compress(ours, "llm")
     why = {name: reason for name, _, reason in report.skipped}
     expected = {"dora": "LoRA variant", "head": "the fused loss reads the head's weight",
-                "modules_to_save": "modules_to_save", "embedding": "LoRA on a Embedding",
+                "modules_to_save": "modules_to_save", "embedding": "LoRA on Embedding layers",
                 "ia3": "only LoRA is supported"}[case]
     assert any(expected in reason for reason in why.values()), why
     assert report.replaced  # the rest applies
