@@ -36,7 +36,7 @@ from actdesign.errors import ActdesignError
 from .accounting import hooked
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts
-from .models import eval_mode
+from .models import same_draws
 from .quantized import QLinear, _QuantizedInput
 from .sharing import offer
 from .targets import activation_name, is_gated_mlp, is_lora_linear
@@ -122,8 +122,8 @@ def _check_probe(mlp, new, gate):
     """The module's own forward against down(act(gate(x)) * up(x)) on random rows."""
     weight = gate.base_layer.weight if is_lora_linear(gate) else gate.weight
     x = torch.randn(4, gate.in_features, dtype=weight.dtype, device=weight.device)
-    with torch.no_grad(), eval_mode(mlp), eval_mode(new):  # no dropout (a LoRA layer's)
-        expected, got = mlp(x), new(x)
+    with torch.no_grad():  # the same dropout masks (a LoRA layer's) in both
+        expected, got = same_draws(mlp, lambda: mlp(x), lambda: new(x))
     scale = expected.abs().max().item() + 1e-30
     if not torch.allclose(got, expected, rtol=0,
                           atol=16 * torch.finfo(expected.dtype).eps * scale):

@@ -37,7 +37,7 @@ from actdesign.errors import ActdesignError
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts
 from .edits import Edit, apply_all
-from .models import eval_mode
+from .models import same_draws
 from .sharing import kept_for, rebuild
 from .targets import is_causal_lm
 
@@ -233,15 +233,15 @@ def _returning_input(head):
 
 
 def _probe_losses(model, head, chunk_size, probe):
-    """(the model's own loss, the fused one) on the probe, in eval mode (no dropout)."""
+    """(the model's own loss, the fused one) on the probe, with the same dropout masks."""
     def loss_of(hidden, **loss_inputs):
         return fused_linear_cross_entropy(hidden, head.weight, chunk_size=chunk_size,
                                           **loss_inputs)
 
-    with eval_mode(model), torch.no_grad():
-        expected = model(**probe).loss
-        got = _fused_call(model.forward, lambda: _returning_input(head), loss_of, (), probe)
-    return expected, got.loss
+    with torch.no_grad():
+        expected, got = same_draws(model, lambda: model(**probe), lambda: _fused_call(
+            model.forward, lambda: _returning_input(head), loss_of, (), probe))
+    return expected.loss, got.loss
 
 
 _FORWARDS = {}  # a class's forward -> its fused twin: one function for torch.compile to see

@@ -39,7 +39,8 @@ from .targets import is_hf_conv1d
 
 
 class LeanLoRA:
-    """The forward of one PEFT `lora.Linear` layer (set on the instance). `keeper` says how
+    """The forward of one PEFT LoRA layer (set on the instance): `lora.Linear`, or QLoRA's
+    `Linear4bit` and `Linear8bitLt` on bitsandbytes' layers. `keeper` says how
     x is kept for A's gradient: LeanLinear (x, or what its producer offers) or an
     `InputCodes` (ActNN codes)."""
 
@@ -53,7 +54,12 @@ class LeanLoRA:
             return type(layer).forward(layer, x, *args, **kwargs)
         result = layer.base_layer(x)
         a, b = layer.lora_A[adapter], layer.lora_B[adapter]
-        cast = a.weight.dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
+        # PEFT casts x to the adapter's dtype; its bitsandbytes layers only without (CUDA)
+        # autocast, and then cast the path's output back before adding it
+        quantized = type(layer).__module__.endswith(".bnb")
+        converts = not (quantized and torch.is_autocast_enabled())
+        cast = a.weight.dtype if converts and getattr(layer, "cast_input_dtype_enabled", True) \
+            else None
         drop = layer.lora_dropout[adapter]
         p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
         device = x.device.type
@@ -62,6 +68,8 @@ class LeanLoRA:
             cast = None  # A's product casts x back: a round trip through float32, a no-op
         path = _AdapterPath.apply(x, a.weight, b.weight, b.bias, layer.scaling[adapter],
                                   cast, float(p), self.keeper)
+        if quantized:
+            return result + (path.to(result.dtype) if converts else path)
         return (result + path).to(result.dtype)  # as PEFT adds and casts
 
 
@@ -82,10 +90,10 @@ def _plain(layer) -> str | None:
 
 
 def plan_lora(layer: nn.Module, keeper=LeanLinear) -> list[Edit]:
-    """The edits giving a PEFT `lora.Linear` layer the lean forward: its base layer, when an
-    nn.Linear or a transformers Conv1D, becomes a LeanLinear holding the same parameters
-    (frozen, it keeps nothing); any other base (a quantized one) stays and is called as it
-    is. Nothing is changed here."""
+    """The edits giving a PEFT LoRA layer (`targets.is_lora_linear`) the lean forward: its
+    base layer, when an nn.Linear or a transformers Conv1D, becomes a LeanLinear holding the
+    same parameters (frozen, it keeps nothing); any other base (a quantized one) stays and is
+    called as it is. Nothing is changed here."""
     edits = []
     base = layer.base_layer
     if type(base) is nn.Linear or is_hf_conv1d(base):

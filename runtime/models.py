@@ -9,7 +9,6 @@ arguments. transformers models need no make_batch: their inputs follow from the 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import sys
@@ -162,13 +161,15 @@ def loss_of(output) -> torch.Tensor:
     return output.float().square().mean()
 
 
-@contextlib.contextmanager
-def eval_mode(model):
-    """The model in eval mode (no dropout), each module's own mode restored after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
+def same_draws(model, *calls) -> list:
+    """The results of `calls`, each run from the same random generator state, so that dropout
+    draws the same masks in each; the generators as they were after. The model keeps its mode:
+    eval mode is not a neutral probe (bitsandbytes repacks its 4-bit weights for CPU inference
+    on an eval forward, which changes its later results)."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    results = []
+    with torch.random.fork_rng(devices=devices):
+        for call in calls:
+            torch.manual_seed(0)
+            results.append(call())
+    return results

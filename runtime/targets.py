@@ -96,10 +96,16 @@ def _is_peft(m: nn.Module, class_name: str) -> bool:
                for cls in type(m).__mro__)
 
 
+# PEFT's LoRA layers computing base(x) + s·B(A(drop(x))): on any base, and on bitsandbytes'
+# quantized ones (QLoRA), which cast in their own order.
+LORA_LINEARS = {("peft.tuners.lora.layer", "Linear"), ("peft.tuners.lora.bnb", "Linear4bit"),
+                ("peft.tuners.lora.bnb", "Linear8bitLt")}
+
+
 def is_lora_linear(m: nn.Module) -> bool:
-    """A PEFT LoRA layer computing base(x) + s·B(A(drop(x))) for each adapter: lora.Linear
-    with no LoRA variant (DoRA and the like) on any adapter."""
-    return type(m).__name__ == "Linear" and type(m).__module__ == "peft.tuners.lora.layer" \
+    """A PEFT LoRA layer computing base(x) + s·B(A(drop(x))) for each adapter, with no LoRA
+    variant (DoRA and the like) on any adapter."""
+    return (type(m).__module__, type(m).__name__) in LORA_LINEARS \
         and not getattr(m, "lora_variant", None) and not any(getattr(m, "use_dora", {}).values())
 
 
@@ -114,7 +120,7 @@ def peft_refusal(m: nn.Module) -> str | None:
     if not _is_peft(m, "BaseTunerLayer"):
         return None
     if type(m).__module__.startswith("peft.tuners.lora"):
-        if type(m).__name__ == "Linear":
+        if (type(m).__module__, type(m).__name__) in LORA_LINEARS:
             return ("a LoRA variant (DoRA or another) computes more than base(x) + s·B(A(x)): "
                     "PEFT's own forward runs")
         return (f"LoRA on {type(m).__name__} layers (only Linear layers take the lean LoRA "
@@ -173,7 +179,9 @@ def target_of(m: nn.Module) -> str | None:
 
 def linear_like(m: nn.Module) -> bool:
     """Layers that can read an MS norm's x̂: y = x·Wᵀ + b over the last dimension, casting x
-    to the autocast dtype as the norm emits it (a LoRA layer on one adds s·B(A(drop(x))):
-    its adapter path reads x̂ too; another base, a quantized one, may read the dtype)."""
-    return isinstance(m, nn.Linear) or is_hf_conv1d(m) \
-        or (is_lora_linear(m) and linear_like(m.base_layer))
+    to the autocast dtype as the norm emits it: nn.Linear, ours, transformers' Conv1D, and a
+    LoRA layer on one (its adapter path reads x̂ too). Subclasses of nn.Linear elsewhere (a
+    quantized one returns its input's dtype) are not: an MS norm would change that dtype."""
+    exact = type(m) is nn.Linear or is_hf_conv1d(m) \
+        or (isinstance(m, nn.Linear) and type(m).__module__.startswith("actdesign."))
+    return exact or (is_lora_linear(m) and linear_like(m.base_layer))

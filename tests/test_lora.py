@@ -381,6 +381,74 @@ def test_a_frozen_base_that_is_not_a_linear_is_called_as_a_module():
     assert all(torch.equal(a, b) for a, b in zip(g1, g0, strict=True))
 
 
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    perturb_norms(models.build("llama-tiny")[0]).save_pretrained(folder)
+    return folder
+
+
+def qlora_model(folder, dropout):
+    """QLoRA as users build it: the model loaded in 4 bits (NF4, bf16 compute) by
+    bitsandbytes on the CPU, prepared by PEFT (float32 norms and head), LoRA on top."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantized,
+                                                 device_map="cpu")
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(0)  # A's initialisation
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_dropout=dropout,
+                                                       target_modules=SEVEN))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.train()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_qlora_on_bitsandbytes_4bit_layers_trains_as_peft(saved_llama, autocast):
+    """PEFT's 4-bit LoRA layers cast in their own order (x to the adapter's dtype only
+    without CUDA autocast, the path's output back to the base's dtype before the sum): the
+    lean path follows it. The 4-bit base is called as a module. The norms stay as they are: a
+    4-bit layer returns its input's dtype, which an MS norm would change. compress's probes
+    keep the model's mode: an eval forward makes bitsandbytes repack its weights for CPU
+    inference, which moved the later losses by 1e-5. In float32 the fused loss sums in
+    another order: the issue's bounds, 1e-5 on the loss, 1e-4 on each gradient. Under
+    autocast the final MS norm rounds x̂ and then x̂·γ to bf16 (the head casts to bf16
+    anyway): the loss moves by less than bf16's eps, the gradients by less than autocast
+    moves PEFT's from float32's."""
+    model, ours = (qlora_model(saved_llama, 0.1) for _ in range(2))
+    layer = ours.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(layer).__name__ == "Linear4bit" and type(layer.base_layer).__name__ == \
+        "Linear4bit"
+    report = compress(ours, "llm")
+    assert len(lean_layers(ours)) == 14
+    assert all("outside a Linear layer" in why for name, _, why in report.skipped
+               if name.endswith("layernorm")), str(report)
+    inputs = batch(model)
+    (loss1, grads1), (loss0, grads0) = (step(m, inputs, autocast=autocast)
+                                        for m in (ours, model))
+    assert grads1.keys() == grads0.keys() and len(grads0) == 28
+    if autocast:
+        torch.testing.assert_close(loss1, loss0, rtol=2**-8, atol=0)
+        _, exact = step(model, inputs)
+        moved = torch.cat([(grads1[n] - g).flatten() for n, g in grads0.items()])
+        assert moved.norm() < torch.cat([(g - exact[n]).flatten()
+                                         for n, g in grads0.items()]).norm()
+    else:
+        torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=0)
+        for n, g in grads0.items():
+            assert (grads1[n] - g).norm() <= 1e-4 * g.norm(), n
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        kept = [account(m, lambda m=m: m(**inputs).loss)[0].total for m in (ours, model)]
+    assert kept[0] < 0.6 * kept[1]
+
+
 # --- portable adapters ----------------------------------------------------------------------
 
 def test_a_saved_adapter_loads_onto_the_untouched_base(tmp_path):
