@@ -120,7 +120,7 @@ def _lean(layer):
 
 def _check_probe(mlp, new, gate):
     """The module's own forward against down(act(gate(x)) * up(x)) on random rows."""
-    weight = gate.base_layer.weight if is_lora_linear(gate) else gate.weight
+    weight = next(p for p in gate.parameters() if p.is_floating_point())  # not a 4-bit one
     x = torch.randn(4, gate.in_features, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():  # the same dropout masks (a LoRA layer's) in both
         expected, got = same_draws(mlp, lambda: mlp(x), lambda: new(x))

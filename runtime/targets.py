@@ -85,7 +85,7 @@ def is_gated_mlp(m: nn.Module) -> bool:
 
 
 def _projection(m) -> bool:
-    return type(m) is nn.Linear or (is_lora_linear(m) and type(m.base_layer) is nn.Linear)
+    return type(m) is nn.Linear or is_lora_linear(m)
 
 
 # --- PEFT: classes matched by name and module, so peft need not be installed ---------------

@@ -84,7 +84,7 @@ class _Probe(TorchFunctionMode):
             elif name in _ROW_VIEWS and self._keeps_rows(args, out, norm, name):
                 self.watch(out, norm)
             else:
-                self.blocked.setdefault(norm, f"its output also feeds {name} outside a "
+                self.blocked.setdefault(norm, f"its output also feeds {name}() outside a "
                                               "Linear layer")
         return out
 

@@ -414,8 +414,9 @@ def qlora_model(folder, dropout):
 def test_qlora_on_bitsandbytes_4bit_layers_trains_as_peft(saved_llama, autocast):
     """PEFT's 4-bit LoRA layers cast in their own order (x to the adapter's dtype only
     without CUDA autocast, the path's output back to the base's dtype before the sum): the
-    lean path follows it. The 4-bit base is called as a module. The norms stay as they are: a
-    4-bit layer returns its input's dtype, which an MS norm would change. compress's probes
+    lean path follows it. The 4-bit base is called as a module; MS-GLU calls the LoRA layers
+    as modules too. The norms stay as they are: a 4-bit layer returns its input's dtype,
+    which an MS norm would change. compress's probes
     keep the model's mode: an eval forward makes bitsandbytes repack its weights for CPU
     inference, which moved the later losses by 1e-5. In float32 the fused loss sums in
     another order: the issue's bounds, 1e-5 on the loss, 1e-4 on each gradient. Under
@@ -428,6 +429,7 @@ def test_qlora_on_bitsandbytes_4bit_layers_trains_as_peft(saved_llama, autocast)
         "Linear4bit"
     report = compress(ours, "llm")
     assert len(lean_layers(ours)) == 14
+    assert sum(c.new.startswith("MSGLU") for c in report.replaced) == 2  # on 4-bit layers
     assert all("outside a Linear layer" in why for name, _, why in report.skipped
                if name.endswith("layernorm")), str(report)
     inputs = batch(model)
