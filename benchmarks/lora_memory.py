@@ -7,9 +7,10 @@ Liger-Kernel under PEFT and, when installed, Unsloth.
     python benchmarks/lora_memory.py --model llama-1b --seq 4096 --device cuda
 
 The model: random weights from a transformers config (nothing downloaded), bf16 weights
-(`--weights`), LoRA r = 16 on all seven projections with float32 adapters (PEFT's default),
-one table per `--dropout`. Every row is a fresh model from the same seed; a step is forward
-under bf16 autocast, the model's own loss, backward and AdamW on the adapters. Columns:
+(`--weights`; `--4bit`: QLoRA, the base loaded in 4 bits by bitsandbytes), LoRA r = 16 on
+all seven projections with float32 adapters (PEFT's default), one table per `--dropout`.
+Every row is a fresh model from the same seed; a step is forward under bf16 autocast, the
+model's own loss, backward and AdamW on the adapters. Columns:
 - peak: on CUDA the allocator's peak over the timed steps; on CPU the bytes saved for the
   backward plus the largest activation-shaped temporary (as in llm_memory.py);
 - saved: the bytes autograd keeps for the backward, and their ratio to PEFT's;
@@ -45,7 +46,9 @@ LLAMA_1B = {"num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads":
             "max_position_embeddings": 4096}
 
 
-def base_model(name: str, weights: torch.dtype, device: str):
+def base_model(name: str, weights: torch.dtype, device: str, four_bit: bool = False):
+    """The model, or with `four_bit` QLoRA's: loaded in 4 bits (NF4, bf16 compute) by
+    bitsandbytes from the same weights saved to a temporary folder, prepared by PEFT."""
     if name == "llama-1b":
         import transformers
 
@@ -54,7 +57,20 @@ def base_model(name: str, weights: torch.dtype, device: str):
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B))
     else:
         model, _ = models.build(name, seed=0)
-    return model.to(device, weights).train()
+    model = model.to(device, weights).train()
+    if not four_bit:
+        return model
+    import peft
+    import transformers
+
+    quantized = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                bnb_4bit_compute_dtype=torch.bfloat16)
+    transformers.utils.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=quantized, dtype=weights, device_map=device)
+    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False).train()
 
 
 def lora_config(dropout: float, rank: int):
@@ -64,15 +80,18 @@ def lora_config(dropout: float, rank: int):
                            target_modules=TARGETS, task_type="CAUSAL_LM")
 
 
-def build(name, row, device, weights, dropout, rank, adapters=True):
+def build(name, row, device, weights, dropout, rank, adapters=True, four_bit=False):
     """A fresh model for the row, or None where the row does not run here."""
     import peft
 
     checkpointing = row.endswith("checkpointing")
     preset = row.removesuffix("checkpointing").rstrip("+")
     if preset == "unsloth":
-        return _unsloth(name, device, weights, dropout, rank) if adapters else None
-    model = base_model(name, weights, device)
+        return None if four_bit or not adapters else _unsloth(name, device, weights, dropout,
+                                                               rank)
+    if four_bit and not adapters:
+        return None  # 4-bit weights are frozen: there is no run without adapters
+    model = base_model(name, weights, device, four_bit)
     if preset == "liger":
         family = name.removesuffix("-tiny").removesuffix("-1b")
         try:
@@ -136,6 +155,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--4bit", dest="four_bit", action="store_true",
+                        help="QLoRA: the base loaded in 4 bits by bitsandbytes")
     parser.add_argument("--skip-full", action="store_true",
                         help="leave out the 'vs no LoRA' column (a second model per row)")
     args = parser.parse_args()
@@ -146,7 +167,8 @@ def main():
     emulate = emulate_bf16_matmuls(args.device, "bf16-autocast")
     cuda = args.device.startswith("cuda")
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
-    print(f"{where}, {name}, {args.weights} weights under bf16 autocast, LoRA r={args.rank} on "
+    weights_are = "4-bit NF4" if args.four_bit else args.weights
+    print(f"{where}, {name}, {weights_are} weights under bf16 autocast, LoRA r={args.rank} on "
           f"{len(TARGETS)} projections, batch {args.batch} x {seq} tokens, torch "
           f"{torch.__version__}; peak: " + ("CUDA allocator" if cuda else
                                             "saved for backward + largest temporary")
@@ -158,7 +180,8 @@ def main():
                     width=11, first=26)
         base = None
         for setup in args.rows:
-            model = build(name, setup, args.device, weights, dropout, args.rank)
+            model = build(name, setup, args.device, weights, dropout, args.rank,
+                          four_bit=args.four_bit)
             if model is None:
                 continue
             inputs = models.example_batch(model, args.batch, seq)
@@ -167,7 +190,8 @@ def main():
                                           args.repeats, emulate)
             del model
             full = None if args.skip_full else build(name, setup, args.device, weights,
-                                                     dropout, args.rank, adapters=False)
+                                                     dropout, args.rank, adapters=False,
+                                                     four_bit=args.four_bit)
             alone = "" if full is None else f"{saved / saved_bytes(full, inputs, args.device):.3f}"
             del full
             base = base or (peak, saved, seconds)
