@@ -480,7 +480,8 @@ def test_a_saved_adapter_loads_onto_the_untouched_base(tmp_path):
 
 def test_a_compressed_peft_model_copies_and_pickles():
     """The lean forward lives on each layer instance: a deep copy, or a model saved whole with
-    torch.save, runs its own layers' path, with the same results."""
+    torch.save, runs its own layers' path, with the same results (float32 roundings: the
+    CPU's kernels may block a loaded tensor's memory otherwise)."""
     import io
 
     model = lora_model()
@@ -490,14 +491,10 @@ def test_a_compressed_peft_model_copies_and_pickles():
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    inputs = batch(model)
-    loss, grads = step(model, inputs)
     for other in (copied, loaded):
         layer = other.base_model.model.model.layers[0].self_attn.q_proj
         assert layer.__dict__["forward"].layer is layer
-        loss1, grads1 = step(other, inputs)
-        assert torch.equal(loss1, loss) and all(torch.equal(grads1[n], g)
-                                                for n, g in grads.items())
+        assert_same_step(other, model, batch(model), rtol=1e-5)
 
 
 def test_peft_s_own_modes_run_peft_s_forward():
