@@ -107,8 +107,7 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
     `dry_run`, only the report of the plan: the model is not changed. If anything fails, the
     model is as it was. The random number generators are left as they were too (the probes
     run dropout), so the training run after compress draws what it would have drawn."""
-    devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
-    with torch.random.fork_rng(devices=devices):
+    with models.forked_rng(model):
         planned = plan(model, policy, example_inputs)
         if dry_run:
             return planned.report
@@ -147,13 +146,16 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
                                                 names)
     edits, covered = [], set()  # covered: layers a GLU or a fused loss takes over
     glu_downs = set()  # the down projections of MS-GLUs: they read h, rebuilt from g and u
+
+    def plan_lora_layer(layer, method):
+        keeps = _lora_keeps(layer, method, codes, kept, exact, sharing, glu_downs)
+        return _plan_lora(names[layer], layer, method, keeps, report)
+
     for name, (m, rule) in chosen.items():
         if rule.apply == "msnorm":
             continue
         if is_lora_linear(m):
-            edits += _plan_lora(name, m, rule.apply, _lora_keeps(m, rule.apply, codes, kept,
-                                                                  exact, sharing, glu_downs),
-                                report)
+            edits += plan_lora_layer(m, rule.apply)
             covered.add(m)
             continue
         if rule.apply == "actnn" and m in kept | exact:
@@ -187,11 +189,11 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
             glu_downs.add(m.down_proj)
         report.replaced.append(Change(name, type(m).__name__, what))
     for reader in readers:  # no rule replaced it: it keeps the norm's x̂, exact and lean
-        if reader not in new and reader not in covered and is_lora_linear(reader):
-            edits += _plan_lora(names[reader], reader, "lean",
-                                _lora_keeps(reader, "lean", codes, kept, exact, sharing,
-                                            glu_downs), report)
-        elif reader not in new and reader not in covered:
+        if reader in new or reader in covered:
+            continue
+        if is_lora_linear(reader):
+            edits += plan_lora_layer(reader, "lean")
+        else:
             new[reader] = LeanLinear.from_module(reader)
             report.replaced.append(Change(names[reader], type(reader).__name__,
                                           "LeanLinear (keeps the MS norm's x̂, not its "

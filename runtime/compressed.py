@@ -19,7 +19,7 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 
-from .sharing import kept_for, rebuild
+from .sharing import keep, restore
 from .targets import is_hf_conv1d
 
 
@@ -55,20 +55,18 @@ class _CompressedInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, dtype):
         y = layer.dense_forward(x, weight.to(dtype), bias)
-        saved, extras, ctx.make = (), (), None
+        saved, ctx.how = (), None
         if ctx.needs_input_grad[1]:  # only the weight gradient reads x; a frozen one, nothing
             # What x's producer keeps anyway (an MS norm's x̂, MS-GLU's g and u), where offered
-            primary, extras, ctx.make = kept_for(x)
-            saved = () if primary is None else layer.compress(primary)  # x: it may carry codes
-        ctx.save_for_backward(weight, *saved, *extras)
+            saved, ctx.how = keep(x, layer)  # x itself: it may carry codes
+        ctx.save_for_backward(weight, *saved)
         ctx.layer, ctx.shape, ctx.dtype, ctx.has_bias = layer, x.shape, x.dtype, bias is not None
-        ctx.weight_dtype, ctx.n_saved = dtype, len(saved)
+        ctx.weight_dtype = dtype
         return y
 
     @staticmethod
     def backward(ctx, g):
-        weight, *rest = ctx.saved_tensors
-        saved, extras = rest[:ctx.n_saved], rest[ctx.n_saved:]
+        weight, *saved = ctx.saved_tensors
         layer = ctx.layer
         grad_x = grad_w = grad_b = None
         with torch.autocast(g.device.type, enabled=False):  # as in the forward
@@ -76,8 +74,7 @@ class _CompressedInput(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = layer.input_grad(ctx.shape, cast, g)
             if ctx.needs_input_grad[1]:
-                primary = layer.restore(saved, ctx.shape, ctx.dtype) if saved else None
-                x = rebuild(primary, extras, ctx.make, ctx.shape, ctx.dtype)
+                x = restore(saved, ctx.how, layer, ctx.shape, ctx.dtype)
                 grad_w = layer.weight_grad(x, cast, g).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(tuple(i for i in range(g.dim()) if i != layer.channel_dim(g)))

@@ -34,7 +34,7 @@ from torch import nn
 from .accounting import hooked
 from .compressed import LeanLinear
 from .edits import Edit
-from .sharing import kept_for, rebuild
+from .sharing import keep, restore
 from .targets import is_hf_conv1d
 
 
@@ -141,12 +141,11 @@ class _AdapterPath(torch.autograd.Function):
         ctx.rng = _rng_state(device) if p else None
         a = _a_half(x, a_weight, cast, p)  # under the caller's autocast, as PEFT runs
         out = _b_half(a, b_weight, b_bias, scaling)
-        saved, extras, ctx.make = (), (), None
+        saved, ctx.how = (), None
         if ctx.needs_input_grad[1]:  # A's gradient reads x
-            primary, extras, ctx.make = kept_for(x)
-            saved = () if primary is None else keeper.compress(primary)
-        ctx.save_for_backward(a, a_weight, b_weight, b_bias, *saved, *extras)
-        ctx.n_saved, ctx.keeper, ctx.shape, ctx.dtype = len(saved), keeper, x.shape, x.dtype
+            saved, ctx.how = keep(x, keeper)
+        ctx.save_for_backward(a, a_weight, b_weight, b_bias, *saved)
+        ctx.keeper, ctx.shape, ctx.dtype = keeper, x.shape, x.dtype
         ctx.stride, ctx.device = x.stride(), device
         ctx.scaling, ctx.cast, ctx.p = scaling, cast, p
         ctx.autocast = torch.is_autocast_enabled(device.type), \
@@ -156,8 +155,7 @@ class _AdapterPath(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        a, a_weight, b_weight, b_bias, *rest = ctx.saved_tensors
-        saved, extras = rest[:ctx.n_saved], rest[ctx.n_saved:]
+        a, a_weight, b_weight, b_bias, *saved = ctx.saved_tensors
         wants = ctx.needs_input_grad
         grads = [None] * 8
         enabled, dtype = ctx.autocast
@@ -169,9 +167,7 @@ class _AdapterPath(torch.autograd.Function):
             if wants[0] or wants[1]:
                 x = None  # dx reads the mask only: zeros stand in for x
                 if wants[1]:
-                    primary = ctx.keeper.restore(saved, ctx.shape, ctx.dtype) if saved \
-                        else None
-                    x = rebuild(primary, extras, ctx.make, ctx.shape, ctx.dtype)
+                    x = restore(saved, ctx.how, ctx.keeper, ctx.shape, ctx.dtype)
                 if x is None or x.stride() != ctx.stride:
                     # x's own layout: the generator fills the mask in memory order
                     x = torch.empty_strided(ctx.shape, ctx.stride, dtype=ctx.dtype,

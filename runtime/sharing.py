@@ -96,3 +96,20 @@ def rebuild(primary, extras, make, shape, dtype):
     if make is None:
         return primary
     return make(primary, *extras, dtype=dtype).view(shape)
+
+
+def keep(x, keeper):
+    """(the tensors to save for x, how to read them back): `keeper` (a layer's `compress` and
+    `restore`) compresses what x's producer offers, or x itself; the rest of the offer is
+    saved as it is. `restore` turns them back into x."""
+    primary, extras, make = kept_for(x)
+    saved = () if primary is None else keeper.compress(primary)
+    return (*saved, *extras), (make, len(saved))
+
+
+def restore(tensors, how, keeper, shape, dtype):
+    """x, of `shape` and `dtype`, from what `keep` saved (`tensors`) and returned (`how`)."""
+    make, n_saved = how
+    saved, extras = tensors[:n_saved], tensors[n_saved:]
+    primary = keeper.restore(saved, shape, dtype) if saved else None
+    return rebuild(primary, extras, make, shape, dtype)
