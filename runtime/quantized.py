@@ -3,8 +3,9 @@ gradient only, as b-bit per-sample group codes with stochastic rounding (unbiase
 forward and the input gradient are exact.
 
 Bits are one number for every sample, or one per sample (set `layer.bits` to a tensor of
-length N before the forward). Each call draws its own seed from the layer's generator, so a
-training run is reproducible from `torch.manual_seed`.
+length N before the forward). Each call draws its seed from torch's default generator of the
+input's device, as dropout draws its mask: after `torch.manual_seed` a run draws the same codes
+in any process, and checkpointing's recompute, which replays the generator, draws them again.
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ def actnn_ops():
     return generated(render_actnn)
 
 
+def draw_seed(device: torch.device) -> int:
+    """A 32-bit seed from torch's default generator of `device`. On CUDA the generator's
+    offset is advanced on the host, as its random ops do: no device sync."""
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        generator = torch.cuda.default_generators[index]
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)  # Philox advances in steps of 4
+        return hash((generator.initial_seed(), offset)) & 0xFFFFFFFF  # ints hash the same
+    return int(torch.randint(0, 2**32, (1,), dtype=torch.int64))  # everywhere
+
+
 _SHARED = "_actdesign_codes"  # the attribute carrying a tensor's codes to its readers
 
 
@@ -38,8 +51,6 @@ class _QuantizedInput:
             raise ActdesignError(f"group_size must be a power of two >= 8, got {group_size!r}")
         self.group_size = group_size
         self.bits = bits
-        self._calls = 0
-        self._seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
 
     def _sample_bits(self, x):
         # On the host: the codes' layout is worked out there, without waiting for the device.
@@ -62,10 +73,8 @@ class _QuantizedInput:
         if shared is not None and shared[:2] == (self.group_size, x._version) \
                 and torch.equal(shared[2][3], bits):
             return shared[2]  # the producer's codes of this very tensor: kept once
-        self._calls += 1
-        seed = (self._seed + 0x9E3779B9 * self._calls) & 0xFFFFFFFF
         packed, lo, width = actnn_ops().quantize(x.detach().reshape(x.shape[0], -1), bits,
-                                                 seed, self.group_size)
+                                                 draw_seed(x.device), self.group_size)
         return packed, lo, width, bits
 
     def share(self, x, codes):

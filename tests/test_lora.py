@@ -211,8 +211,10 @@ def test_gradient_checkpointing_replays_the_same_masks(reentrant):
 def test_lossy_presets_compose(preset):
     """The forward stays exact; every LoRA layer takes the lean path. Under ActNN the layers
     reading a norm keep its shared codes of x̂; o_proj keeps attention's output, which
-    attention keeps anyway, and down_proj MS-GLU's g and u: no codes of their own."""
-    model = lora_model()
+    attention keeps anyway, and down_proj MS-GLU's g and u: no codes of their own. (ActNN
+    draws its rounding from the generator, as dropout draws its masks: with LoRA dropout on,
+    the later masks would be other draws than the untouched model's, so it is off here.)"""
+    model = lora_model(lora_dropout=0.1 if preset == "llm+fewbit3" else 0.0)
     ours = copy.deepcopy(model)
     report = compress(ours, preset)
     assert len(lean_layers(ours)) == 14 and not report.skipped
@@ -228,8 +230,9 @@ def test_lossy_presets_compose(preset):
 
 def test_actnn_codes_reach_only_a_s_gradient_and_it_stays_unbiased():
     """One LoRA layer keeping 2-bit codes of x: B's gradient and the input's are exact (they
-    read no x); A's is unbiased: over 400 draws of the codes (one dropout mask), its mean
-    is within 4 standard errors of the exact gradient."""
+    read no x); A's is unbiased: over 400 seeds (each a dropout mask, then the codes drawn
+    after it), the mean of its difference to the exact gradient under the same mask is within
+    4 standard errors of zero."""
     net = nn.Sequential(nn.Linear(64, 48))
     model = peft.get_peft_model(net, peft.LoraConfig(r=4, target_modules=["0"],
                                                      lora_dropout=0.1))
@@ -242,8 +245,8 @@ def test_actnn_codes_reach_only_a_s_gradient_and_it_stays_unbiased():
     x = torch.randn(8, 64)
     g_out = torch.randn(8, 48)
 
-    def grads(m):
-        torch.manual_seed(0)  # the same mask every time
+    def grads(m, seed):
+        torch.manual_seed(seed)  # the mask, drawn first, is the seed's in either model
         xi = x.clone().requires_grad_()
         m.zero_grad()
         m(xi).backward(g_out)
@@ -251,16 +254,16 @@ def test_actnn_codes_reach_only_a_s_gradient_and_it_stays_unbiased():
         return (layer.lora_A["default"].weight.grad.clone(),
                 layer.lora_B["default"].weight.grad.clone(), xi.grad)
 
-    exact_a, exact_b, exact_x = grads(model)
-    draws = [grads(ours) for _ in range(400)]
-    for _, b, dx in draws[:3]:
+    errors = []
+    for seed in range(400):
+        (exact_a, exact_b, exact_x), (a, b, dx) = grads(model, seed), grads(ours, seed)
         torch.testing.assert_close(b, exact_b, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(dx, exact_x, rtol=1e-6, atol=1e-7)
-    a = torch.stack([d[0] for d in draws]).double()
-    assert not torch.equal(a[0], a[1])  # the codes are drawn anew
-    error = (a.mean(0) - exact_a.double()).norm()
-    standard = (a.var(0).sum() / len(draws)).sqrt()
-    assert error <= 4 * standard
+        errors.append((a - exact_a).double())
+    errors = torch.stack(errors)
+    assert errors[0].norm() > 0  # the codes are lossy
+    standard = (errors.var(0).sum() / len(errors)).sqrt()
+    assert errors.mean(0).norm() <= 4 * standard
 
 
 @pytest.mark.parametrize("method", ["lean", "actnn"])
