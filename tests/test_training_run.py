@@ -120,8 +120,9 @@ def test_the_state_dict_is_the_untouched_models(name, policy):
 def test_bf16_weights_follow_the_untouched_bf16_run_within_its_rounding(name):
     """With bfloat16 weights the MS norm's forward rounds as LLaMA's norm does (x̂ to bf16,
     then γ·x̂ once), and the Linear layers are the same products: the first forward is
-    bit-identical. The backward sums in another order, so the runs part by rounding: never
-    further than the bf16 run itself is from the float32 run."""
+    bit-identical. The backward sums in another order, so the runs part by rounding: each bf16
+    run is its rounding away from the float32 run, so the two are at most twice the eager bf16
+    run's distance from it apart (the triangle inequality)."""
     model = model_named(name)
     ours = copy.deepcopy(model).bfloat16()
     compress(ours, "msnorm")
@@ -131,5 +132,5 @@ def test_bf16_weights_follow_the_untouched_bf16_run_within_its_rounding(name):
         assert torch.equal(ours(**inputs).logits, want)
     fp32 = train(model_named(name))
     eager16, ours16 = train(model), train(ours)
-    assert (ours16 - eager16).abs().max() <= (eager16 - fp32).abs().max()
+    assert (ours16 - eager16).abs().max() <= 2 * (eager16 - fp32).abs().max()
     assert (ours16 - eager16).abs().max() <= 0.05 * eager16.abs().max()  # bf16: 2^-8 a step
