@@ -187,6 +187,9 @@ def _affine(norm: nn.Module):
         if len(shape) != 1:
             raise ActdesignError("MS norms normalise over the last dimension only")
         return kind, shape[0], float(eps), weight, getattr(norm, "bias", None), False
+    if type(norm).__module__.startswith("torch."):  # batch, group, instance norms
+        raise ActdesignError(f"no MS norm computes a {type(norm).__name__}: supported are "
+                             "layer and RMS norms over the last dimension")
     return _probe_formula(norm)
 
 
@@ -201,10 +204,6 @@ def _probe_formula(norm: nn.Module):
     bias), eps its own or a common value. The probe's copy holds random parameters, so a
     parameter the norm does not use, or uses otherwise, shows. Anything else, a gated norm
     among them, is refused with the reason."""
-    extra = _extra_inputs(norm)
-    if extra:
-        raise ActdesignError(f"its forward takes {', '.join(map(repr, extra))} besides the input: a gated "
-                             "norm, which no MS norm computes")
     weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
     for what, p in (("weight", weight), ("bias", bias)):
         if p is not None and not isinstance(p, nn.Parameter):
@@ -236,6 +235,11 @@ def _probe_formula(norm: nn.Module):
         except Exception as exc:  # noqa: BLE001  (any failure means: not a norm we know)
             raise ActdesignError(f"its forward does not take one tensor x "
                                  f"({type(exc).__name__}: {exc})") from None
+        gates = [k for k in _extra_inputs(norm) if _changes(probe, x.float(), got, k, gen)]
+    if gates:
+        raise ActdesignError(f"its forward takes {', '.join(map(repr, gates))} besides the "
+                             "input, which changes its output: a gated norm, which no MS norm "
+                             "computes")
     if isinstance(got, torch.Tensor) and got.shape == x.shape:
         got = got.double()
         gammas = [(None, False)] if w is None else [(w.double(), False), (1 + w.double(), True)]
@@ -254,10 +258,19 @@ def _probe_formula(norm: nn.Module):
                          "weight, 1 + its weight or 1 and β its bias or 0 (checked on a probe)")
 
 
+def _changes(probe, x, got, name, gen) -> bool:
+    """Whether passing a random tensor as input `name` changes the probe's output."""
+    try:
+        other = probe(x, **{name: torch.randn(x.shape, generator=gen)})
+    except Exception:  # noqa: BLE001  (it takes something else there: not a plain norm)
+        return True
+    return not (isinstance(other, torch.Tensor) and torch.equal(other, got))
+
+
 def _extra_inputs(norm: nn.Module) -> list[str]:
     """The names of the inputs its forward takes besides x (a gate, say)."""
     try:
-        params = list(inspect.signature(type(norm).forward).parameters.values())[1:]
+        params = list(inspect.signature(norm.forward).parameters.values())
     except (TypeError, ValueError):
         return []
     named = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
