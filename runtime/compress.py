@@ -43,7 +43,7 @@ from .quantized import InputCodes, QConv2d, QLinear
 from .rope import is_rotary_forward, plan_rotary
 from .sparse import SparseConv2d, SparseLinear
 from .tables import table
-from .targets import activation_name, is_lora_linear, peft_refusal, target_of
+from .targets import activation_name, has_builtin, is_lora_linear, peft_refusal, target_of
 from .trace import inputs_kept_elsewhere, norm_consumers
 
 
@@ -492,6 +492,10 @@ def _spec_for(m, method: str, opts: dict) -> spec_mod.Spec:
     """The table for an activation module: the rule's spec, or the built-in one for its own
     activation; refused when it is for another activation or the other kind."""
     own = activation_name(m)
+    if own is None and not has_builtin(m):
+        trained = ", with trainable parameters," if any(True for _ in m.parameters()) else ""
+        raise ActdesignError(f"{type(m).__name__}{trained} computes no built-in activation, "
+                             "which the tables are fitted for")
     if own is None:
         raise ActdesignError(f"its settings ({m.extra_repr() or 'none'}) match no built-in "
                              "activation")

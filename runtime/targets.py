@@ -72,6 +72,12 @@ def is_activation(m: nn.Module) -> bool:
                                    or _HF_ACTIVATION_NAME.search(type(m).__name__) is not None))
 
 
+def has_builtin(m: nn.Module) -> bool:
+    """An activation class that computes a built-in with some settings (nn.ELU, say)."""
+    return type(m) in _TORCH_ACTIVATIONS or (_from_transformers(m)
+                                             and type(m).__name__ in _HF_ACTIVATIONS)
+
+
 def is_hf_conv1d(m: nn.Module) -> bool:
     """transformers' Conv1D: a Linear layer storing its weight as (in, out)."""
     return type(m).__name__ == "Conv1D" and _from_transformers(m) \
