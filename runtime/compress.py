@@ -3,7 +3,8 @@
 Modules are replaced in their parents and every parameter object is kept under its own name,
 so the state dict, the parameters' order and a checkpoint are the untouched model's.
 Modules already compressed are not touched again, so compressing twice changes nothing. What
-a rule targets but cannot handle is left alone and listed with the reason.
+a rule targets but cannot handle is left alone and listed with the reason; a gated MLP or a
+head its rule refuses leaves its layers to the other rules in the same pass.
 
 Plan, then apply: `plan` makes every decision, runs every probe and builds every replacement
 without changing the model; applying is assignments only (`edits`), taken back if one fails

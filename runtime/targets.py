@@ -1,7 +1,9 @@
 """What kind of module is this, for a policy: an activation (and which), a norm, a linear
 layer or a 2-D convolution. Classes are matched exactly, so a subclass that changes the
 forward is never mistaken for its parent; `transformers` classes are matched by name and
-module, so transformers need not be installed.
+module, so transformers need not be installed. Other libraries' norms and transformers'
+activations are targets by their class names: what they compute is checked when they are
+replaced, and the report says why where nothing we have computes it.
 """
 
 from __future__ import annotations
