@@ -3,7 +3,8 @@
 Modules are replaced in their parents and every parameter object is kept under its own name,
 so the state dict, the parameters' order and a checkpoint are the untouched model's.
 Modules already compressed are not touched again, so compressing twice changes nothing. What
-a rule targets but cannot handle is left alone and listed with the reason.
+a rule targets but cannot handle is left alone and listed with the reason; a gated MLP or a
+head its rule refuses leaves its layers to the other rules in the same pass.
 
 Plan, then apply: `plan` makes every decision, runs every probe and builds every replacement
 without changing the model; applying is assignments only (`edits`), taken back if one fails
@@ -40,10 +41,10 @@ from .lora import LeanLoRA, plan_lora
 from .norms import _QMSNorm, ms_norm
 from .pooled import PooledConv2d
 from .quantized import InputCodes, QConv2d, QLinear
-from .rope import plan_rotary
+from .rope import is_rotary_forward, plan_rotary
 from .sparse import SparseConv2d, SparseLinear
 from .tables import table
-from .targets import activation_name, is_lora_linear, peft_refusal, target_of
+from .targets import activation_name, has_builtin, is_lora_linear, peft_refusal, target_of
 from .trace import inputs_kept_elsewhere, norm_consumers
 
 
@@ -61,20 +62,26 @@ class Report:
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, class, why)
     before: SavedBytes | None = None  # bytes saved for the probe's backward
     after: SavedBytes | None = None
+    compressed: int = 0  # modules a compress made before this one
 
     def to_dict(self) -> dict:
         out = {"policy": self.policy,
                "replaced": [{"name": c.name, "old": c.old, "new": c.new}
                             for c in self.replaced],
-               "skipped": [{"name": n, "type": t, "why": w} for n, t, w in self.skipped]}
+               "skipped": [{"name": n, "type": t, "why": w} for n, t, w in self.skipped],
+               "already_compressed": self.compressed}
         if self.before is not None:
             out["probe_saved_bytes"] = {"before": self.before.total,
                                         "after": None if self.after is None else self.after.total}
         return out
 
     def __str__(self) -> str:
-        lines = [f"compress ({self.policy}): {len(self.replaced)} modules replaced, "
-                 f"{len(self.skipped)} left alone"]
+        head = f"{len(self.replaced)} modules replaced, {len(self.skipped)} left alone"
+        if not self.replaced and self.compressed:
+            head = f"already compressed: nothing to do ({len(self.skipped)} left alone)"
+        elif not self.replaced and not self.skipped:
+            head = "nothing to do: no module is of a kind the policy compresses"
+        lines = [f"compress ({self.policy}): {head}"]
         for c in self.replaced:
             lines.append(f"  {c.name}: {c.old} -> {c.new}")
         for name, kind, why in self.skipped:
@@ -107,6 +114,7 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
     `dry_run`, only the report of the plan: the model is not changed. If anything fails, the
     model is as it was. The random number generators are left as they were too (the probes
     run dropout), so the training run after compress draws what it would have drawn."""
+    _refuse_unsupported(model)
     with models.forked_rng(model):
         planned = plan(model, policy, example_inputs)
         if dry_run:
@@ -125,13 +133,14 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
 def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
     """Every decision, probe and check of `compress`, and the replacements built, without
     changing the model (probes may run it, and hooks added for them are removed)."""
+    _refuse_unsupported(model)
     policy = policy_mod.load(policy)
     _refuse_wrapped(model)
-    report = Report(policy.label)
+    report = Report(policy.label, compressed=sum(map(_ours, model.modules())))
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = {m: name for name, m in model.named_modules()}
-    chosen, report.skipped = match(model, policy)
     inputs = _probe_inputs(model, example_inputs)
+    chosen, report.skipped, heads = match(model, policy, inputs)
     run = None if inputs is None else (lambda: models.call(model, inputs))
     if run is not None:
         with torch.enable_grad():
@@ -168,7 +177,7 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
             continue
         try:
             if rule.apply == "fused_ce":  # the model itself: its forward computes the loss
-                head, fused = plan_fused_loss(m, rule.option("chunk_size"), _with_labels(inputs))
+                head, fused = heads[name]  # planned by `match`
                 edits += fused
                 covered.add(m.get_output_embeddings())
                 head = f"{name}.{head}" if name else head  # the causal LM may be inside
@@ -199,6 +208,7 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
                                           "LeanLinear (keeps the MS norm's x̂, not its "
                                           "output)"))
     report.replaced.sort(key=lambda c: order[c.name])
+    report.skipped.sort(key=lambda s: order.get(s[0], 0))  # "(model)" first
     return Plan(report, _swaps(model, new) + edits, run)
 
 
@@ -251,19 +261,23 @@ def _refuse_wrapped(model) -> None:
                              "(DDP, fully_shard) and build the optimizer")
 
 
-def match(model, policy) -> tuple[dict, list]:
+def match(model, policy, inputs=None) -> tuple[dict, list, dict]:
     """({name: (module, first matching rule)} for modules a rule applies to (not `keep`),
-    [(name, class, why) for modules that match but cannot be replaced])."""
-    chosen, skipped = {}, []
+    [(name, class, why) for modules that match but cannot be replaced], {name: (head name,
+    edits)} for the causal LMs whose fused loss is planned, on `inputs` where given).
+
+    A gated MLP or a causal LM's head that its rule refuses is reported, and its parts are
+    matched by the other rules in the same pass: a second compress finds nothing to do."""
+    chosen, skipped, planned = {}, [], {}
     # What these modules hold is planned with them, or left alone with them: a chosen gated
     # MLP's layers (but LoRA layers on them), a LoRA layer's base and adapters, what a PEFT
-    # layer compress does not support holds; a fused loss's head.
+    # layer compress does not support holds, a TorchScript module's parts; a fused loss's head.
     glus, owners, heads = set(), [], set()
     for name, m in model.named_modules():
         owner = next((o for o in owners if name.startswith(o + ".")), None)
         if owner is not None and not (owner in glus and is_lora_linear(m)):
             continue
-        why = peft_refusal(m)
+        why = peft_refusal(m) or _script_refusal(m)
         if why is not None:
             skipped.append((name, type(m).__name__, why))
             owners.append(name)
@@ -284,13 +298,47 @@ def match(model, policy) -> tuple[dict, list]:
             skipped.append(("(model)", type(m).__name__, "compress replaces submodules: "
                             "wrap the module in a container"))
             continue
+        try:  # a composite refused releases its parts to the other rules
+            if rule.apply == "msglu":
+                MSGLU.from_module(m)
+            elif rule.apply == "fused_ce":
+                planned[name] = plan_fused_loss(m, rule.option("chunk_size"),
+                                                _with_labels(inputs))
+        except ActdesignError as exc:
+            skipped.append((name or "(model)", type(m).__name__, str(exc)))
+            continue
         chosen[name] = (m, rule)
         if target == "glu":
             glus.add(name)
             owners.append(name)
         if target == "head" and type(m.get_output_embeddings()) is nn.Linear:
             heads.add(id(m.get_output_embeddings()))
-    return chosen, skipped
+    return chosen, skipped, planned
+
+
+def _script_refusal(m) -> str | None:
+    if isinstance(m, torch.jit.ScriptModule):
+        return ("a TorchScript module (scripted or traced) runs its own compiled code: "
+                "compress the eager module, then script or trace it")
+    return None
+
+
+def _refuse_unsupported(model) -> None:
+    """Only a plain torch module, not a scripted or traced one, can be compressed."""
+    if not isinstance(model, nn.Module):
+        got = "None" if model is None else f"a {type(model).__name__}"
+        raise ActdesignError(f"compress takes a torch.nn.Module, got {got}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ActdesignError("the model is a TorchScript module (scripted or traced), whose "
+                             "compiled code compress cannot change: compress the eager model, "
+                             "then script or trace it")
+
+
+def _ours(m) -> bool:
+    """A module a compress made, or gave a forward of ours."""
+    forward = m.__dict__.get("forward")
+    return type(m).__module__.startswith(("actdesign.", "actdesign_ops_")) \
+        or isinstance(forward, LeanLoRA) or is_rotary_forward(forward)
 
 
 def _first_rule(policy, name, m, target):
@@ -344,9 +392,14 @@ def _share_norms(model, policy, norms: dict, run, report, codes: dict, names: di
     an affine is replaced where the probe shows that only Linear layers read its output, none
     of them kept as it is by the policy; the rest are reported. `names` maps modules to
     their names."""
-    new, exact, sharing, readers = {}, set(), set(), []
-    plain = {n: m for n, m in norms.items() if _affine_free(m)}
-    affine = {n: m for n, m in norms.items() if n not in plain}
+    new, exact, sharing, readers, ms = {}, set(), set(), [], {}
+    for name, m in norms.items():  # what no MS norm computes is refused first
+        try:
+            ms[name] = ms_norm(m)
+        except ActdesignError as exc:
+            report.skipped.append((name, type(m).__name__, str(exc)))
+    plain = {n: m for n, m in norms.items() if n in ms and _affine_free(ms[n])}
+    affine = {n: m for n, m in norms.items() if n in ms and n not in plain}
     if affine and run is None:
         for name, m in affine.items():
             report.skipped.append((name, type(m).__name__, "sharing its x̂ with the layers "
@@ -362,11 +415,7 @@ def _share_norms(model, policy, norms: dict, run, report, codes: dict, names: di
         if isinstance(found, str):
             report.skipped.append((name, type(m).__name__, found))
             continue
-        try:
-            new[m] = ms_norm(m)
-        except ActdesignError as exc:
-            report.skipped.append((name, type(m).__name__, str(exc)))
-            continue
+        new[m] = ms[name]
         layouts = {codes.get(r) for r in found}
         what = type(new[m]).__name__
         if found and len(layouts) == 1 and None not in layouts:
@@ -444,6 +493,10 @@ def _spec_for(m, method: str, opts: dict) -> spec_mod.Spec:
     """The table for an activation module: the rule's spec, or the built-in one for its own
     activation; refused when it is for another activation or the other kind."""
     own = activation_name(m)
+    if own is None and not has_builtin(m):
+        trained = ", with trainable parameters," if any(True for _ in m.parameters()) else ""
+        raise ActdesignError(f"{type(m).__name__}{trained} computes no built-in activation, "
+                             "which the tables are fitted for")
     if own is None:
         raise ActdesignError(f"its settings ({m.extra_repr() or 'none'}) match no built-in "
                              "activation")

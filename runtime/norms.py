@@ -12,6 +12,7 @@ in, so no cast makes a second copy.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from torch import nn
@@ -50,9 +51,9 @@ class _MSNorm(nn.Module):
 
     @classmethod
     def from_norm(cls, norm: nn.Module) -> _MSNorm:
-        """The MS norm computing what `norm` computes (an nn.LayerNorm, nn.RMSNorm or an
-        HF-style RMSNorm, found by a probe), holding the same parameters under the same
-        names. Refused with the reason for anything else."""
+        """The MS norm computing what `norm` computes (an nn.LayerNorm, nn.RMSNorm, or another
+        library's layer or RMS norm, found by a probe), holding the same parameters under the
+        same names. Refused with the reason for anything else."""
         kind, d, eps, weight, bias, unit_offset = _affine(norm)
         return (MSLayerNorm if kind == "layer" else MSRMSNorm)(
             d, eps, weight=weight, bias=bias, unit_offset=unit_offset)
@@ -176,57 +177,105 @@ class _KeepingCodes(torch.autograd.Function):
 
 def _affine(norm: nn.Module):
     """(kind, features, eps, weight or None, bias or None, whether γ = 1 + weight) of a
-    supported norm."""
-    if isinstance(norm, nn.LayerNorm):
-        shape, eps, kind = norm.normalized_shape, norm.eps, "layer"
-    elif isinstance(norm, nn.RMSNorm) or (type(norm).__name__.endswith("RMSNorm")
-                                          and hasattr(norm, "weight")):
-        weight = norm.weight
-        shape = tuple(weight.shape) if weight is not None else tuple(norm.normalized_shape)
-        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
+    supported norm: torch's own by their attributes, any other by what it computes."""
+    if type(norm) in (nn.LayerNorm, nn.RMSNorm):
+        shape, weight = tuple(norm.normalized_shape), norm.weight
+        eps = norm.eps
         if eps is None:  # nn.RMSNorm's default
             eps = torch.finfo(weight.dtype if weight is not None else torch.float32).eps
-        kind = "rms"
-    else:
+        kind = "layer" if type(norm) is nn.LayerNorm else "rms"
+        if len(shape) != 1:
+            raise ActdesignError("MS norms normalise over the last dimension only")
+        return kind, shape[0], float(eps), weight, getattr(norm, "bias", None), False
+    if type(norm).__module__.startswith("torch."):  # batch, group, instance norms
         raise ActdesignError(f"no MS norm computes a {type(norm).__name__}: supported are "
-                             "nn.LayerNorm, nn.RMSNorm and RMSNorm modules computing "
-                             "x·rsqrt(mean(x²)+eps)·w")
-    if len(shape) != 1:
-        raise ActdesignError("MS norms normalise over the last dimension only")
-    weight = getattr(norm, "weight", None)
-    bias = getattr(norm, "bias", None) if kind == "layer" else None
-    unit_offset = False
-    if kind == "rms" and not isinstance(norm, nn.RMSNorm):
-        unit_offset = _rms_scale(norm, shape[0], float(eps))
-    return kind, shape[0], float(eps), weight, bias, unit_offset
+                             "layer and RMS norms over the last dimension")
+    return _probe_formula(norm)
 
 
-def _rms_scale(norm: nn.Module, d: int, eps: float) -> bool:
-    """Whether another library's RMSNorm multiplies x·rsqrt(mean(x²)+eps) by 1 + w (Gemma,
-    Qwen3-Next) rather than by its weight w (LLaMA) or by nothing (no weight), found by what
-    it computes on a probe. Anything else, a gate or another eps among them, is refused."""
+# eps values tried where a norm names none (OLMo's LayerNorm, say): common choices
+_EPS = (1e-5, 1e-6, 1e-12, 1e-8, float(torch.finfo(torch.float32).eps))
+
+
+def _probe_formula(norm: nn.Module):
+    """`_affine` of another library's norm, found by what it computes on a probe: y = x̂·γ + β
+    over the last dimension, x̂ normalised as a layer norm (x - mean) or an RMS norm does,
+    γ its weight, 1 + its weight (Gemma, Nemotron) or 1 (no weight), β its bias or 0 (no
+    bias), eps its own or a common value. The probe's copy holds random parameters, so a
+    parameter the norm does not use, or uses otherwise, shows. Anything else, a gated norm
+    among them, is refused with the reason."""
+    weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    for what, p in (("weight", weight), ("bias", bias)):
+        if p is not None and not isinstance(p, nn.Parameter):
+            raise ActdesignError(f"its {what} is not a parameter, which an MS norm needs")
+    shape = tuple(weight.shape) if weight is not None else getattr(norm, "normalized_shape", ())
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if len(shape) != 1 or (bias is not None and tuple(bias.shape) != shape):
+        raise ActdesignError("MS norms normalise over the last dimension only, with one γ and "
+                             "β per feature")
+    d = shape[0]
+    named = [float(v) for v in (getattr(norm, k, None) for k in ("eps", "variance_epsilon"))
+             if isinstance(v, float | int) and not isinstance(v, bool)]
+    candidates = list(dict.fromkeys(named + list(_EPS)))
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, d, generator=gen, dtype=torch.float64)
-    x[2:] *= eps ** 0.5 if eps > 0 else 1e-3  # rows whose mean square is eps: eps shows
+    # rows whose variance and mean square are about each eps tried, so eps shows; an offset,
+    # so the mean does
+    x = torch.randn(len(candidates) + 2, d, generator=gen, dtype=torch.float64) + 0.5
+    x[2:] *= torch.tensor(candidates, dtype=torch.float64).sqrt()[:, None]
     probe = _float32_copy(norm)
-    try:
-        with torch.no_grad():
+    with torch.no_grad():
+        w, b = (getattr(probe, k, None) for k in ("weight", "bias"))
+        w, b = (None if t is None else t.detach() for t in (w, b))
+        if w is not None:
+            w.copy_(torch.rand(w.shape, generator=gen) + 0.5)
+        if b is not None:
+            b.copy_(torch.rand(b.shape, generator=gen) - 0.5)
+        try:
             got = probe(x.float())
-    except Exception as exc:  # noqa: BLE001  (any failure means: not a norm we know)
-        raise ActdesignError(f"its forward does not take one tensor x ({type(exc).__name__}: "
-                             f"{exc})") from None
-    normalised = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    w = getattr(probe, "weight", None)
-    # (γ of the probe, whether it is 1 + w)
-    candidates = [(1.0, False)] if w is None else [(w.detach(), False), (1.0 + w.detach(), True)]
-    for probed, unit_offset in candidates:
-        want = normalised * (probed.double() if torch.is_tensor(probed) else probed)
-        # float32 math: a few roundings of 2^-24 each; another formula misses by far more
-        if isinstance(got, torch.Tensor) and got.shape == want.shape and \
-                torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
-            return unit_offset
-    raise ActdesignError("it does not compute x·rsqrt(mean(x²)+eps)·γ with γ its weight, 1 + "
-                         "its weight or 1 (checked on a probe)")
+        except Exception as exc:  # noqa: BLE001  (any failure means: not a norm we know)
+            raise ActdesignError(f"its forward does not take one tensor x "
+                                 f"({type(exc).__name__}: {exc})") from None
+        gates = [k for k in _extra_inputs(norm) if _changes(probe, x.float(), got, k, gen)]
+    if gates:
+        raise ActdesignError(f"its forward takes {', '.join(map(repr, gates))} besides the "
+                             "input, which changes its output: a gated norm, which no MS norm "
+                             "computes")
+    if isinstance(got, torch.Tensor) and got.shape == x.shape:
+        got = got.double()
+        gammas = [(None, False)] if w is None else [(w.double(), False), (1 + w.double(), True)]
+        for kind in ("rms", "layer"):
+            centred = x - x.mean(-1, keepdim=True) if kind == "layer" else x
+            for eps in candidates:
+                xhat = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+                for gamma, unit_offset in gammas:
+                    want = xhat if gamma is None else xhat * gamma
+                    want = want if b is None else want + b.double()
+                    # float32 math: a few roundings of 2^-24 each; another formula misses by
+                    # far more
+                    if torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
+                        return kind, d, eps, weight, bias, unit_offset
+    raise ActdesignError("it computes neither a layer norm nor an RMS norm x̂·γ + β with γ its "
+                         "weight, 1 + its weight or 1 and β its bias or 0 (checked on a probe)")
+
+
+def _changes(probe, x, got, name, gen) -> bool:
+    """Whether passing a random tensor as input `name` changes the probe's output."""
+    try:
+        other = probe(x, **{name: torch.randn(x.shape, generator=gen)})
+    except Exception:  # noqa: BLE001  (it takes something else there: not a plain norm)
+        return True
+    return not (isinstance(other, torch.Tensor) and torch.equal(other, got))
+
+
+def _extra_inputs(norm: nn.Module) -> list[str]:
+    """The names of the inputs its forward takes besides x (a gate, say)."""
+    try:
+        params = list(inspect.signature(norm.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    named = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params[1:] if p.kind in named]
 
 
 def _float32_copy(norm: nn.Module) -> nn.Module:

@@ -205,3 +205,8 @@ def plan_rotary(attention: nn.Module) -> Edit:
 def attach_rotary(attention: nn.Module) -> None:
     """Make this attention module rotate q and k with `rotary` (see `plan_rotary`)."""
     plan_rotary(attention).apply()
+
+
+def is_rotary_forward(forward) -> bool:
+    """Whether an instance's forward is one `plan_rotary` made."""
+    return getattr(forward, "__func__", None) in _FORWARDS.values()

@@ -1,11 +1,14 @@
 """What kind of module is this, for a policy: an activation (and which), a norm, a linear
 layer or a 2-D convolution. Classes are matched exactly, so a subclass that changes the
 forward is never mistaken for its parent; `transformers` classes are matched by name and
-module, so transformers need not be installed.
+module, so transformers need not be installed. Other libraries' norms and transformers'
+activations are targets by their class names: what they compute is checked when they are
+replaced, and the report says why where nothing we have computes it.
 """
 
 from __future__ import annotations
 
+import re
 import types
 
 from torch import nn
@@ -38,8 +41,13 @@ _HF_ACTIVATIONS = {
     "GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
     "PytorchGELUTanh": "gelu_tanh", "FastGELUActivation": "gelu_tanh",
     "QuickGELUActivation": "quick_gelu", "SiLUActivation": "silu", "MishActivation": "mish",
-    "ReLUSquaredActivation": "squared_relu",
+    "ReLUSquaredActivation": "squared_relu", "AccurateGELUActivation": "gelu_tanh",
+    "BloomGelu": "gelu_tanh",  # x·(1 + tanh(0.79788456·x·(1 + 0.044715·x²)))/2
 }
+# torch.nn activations no built-in computes: targeted, so a policy's report names them.
+_OTHER_TORCH_ACTIVATIONS = (nn.PReLU, nn.RReLU, nn.Threshold, nn.Hardshrink, nn.Softshrink)
+# transformers' activation classes: those of its activations module, and by name elsewhere.
+_HF_ACTIVATION_NAME = re.compile(r"(Activation|Gelu|GELU|SiLU|Swish)$")
 
 
 def activation_name(m: nn.Module) -> str | None:
@@ -58,7 +66,16 @@ def _from_transformers(m: nn.Module) -> bool:
 
 
 def is_activation(m: nn.Module) -> bool:
-    """An activation class we know, whether or not its settings match a built-in."""
+    """An activation class, whether or not it computes a built-in (the report says why not):
+    torch's, and transformers' (its activations module, and classes named like one)."""
+    return type(m) in _TORCH_ACTIVATIONS or type(m) in _OTHER_TORCH_ACTIVATIONS or (
+        _from_transformers(m) and (type(m).__module__ == "transformers.activations"
+                                   or type(m).__name__ in _HF_ACTIVATIONS
+                                   or _HF_ACTIVATION_NAME.search(type(m).__name__) is not None))
+
+
+def has_builtin(m: nn.Module) -> bool:
+    """An activation class that computes a built-in with some settings (nn.ELU, say)."""
     return type(m) in _TORCH_ACTIVATIONS or (_from_transformers(m)
                                              and type(m).__name__ in _HF_ACTIVATIONS)
 
@@ -69,11 +86,22 @@ def is_hf_conv1d(m: nn.Module) -> bool:
         and getattr(m, "weight", None) is not None and m.weight.dim() == 2
 
 
+# Norm classes of other libraries, by name: whether an MS norm computes one is decided by
+# what it computes on a probe (runtime.norms), and the report says why where none does.
+_NORM_NAME = re.compile(r"LayerNorm|RMSNorm|Norm$")
+_NORM_ATTRIBUTES = ("weight", "normalized_shape", "eps", "variance_epsilon")
+
+
 def is_norm(m: nn.Module) -> bool:
+    """nn.LayerNorm, nn.RMSNorm, and other libraries' modules named like a layer or RMS norm
+    with a norm's attributes (torch's batch, group and instance norms are not targets, nor
+    are ours)."""
     if type(m) in (nn.LayerNorm, nn.RMSNorm):
         return True
-    name = type(m).__name__
-    return _from_transformers(m) and name.endswith("RMSNorm")
+    if type(m).__module__.startswith(("torch.", "actdesign.", "actdesign_ops_")):
+        return False
+    return _NORM_NAME.search(type(m).__name__) is not None \
+        and any(hasattr(m, a) for a in _NORM_ATTRIBUTES)
 
 
 def is_gated_mlp(m: nn.Module) -> bool:

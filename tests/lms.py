@@ -10,7 +10,13 @@ NAMES = ("Mistral", "Qwen3", "Gemma", "Gemma2", "Qwen3Next", "Phi3", "Olmo2", "G
          "Cohere", "StableLm", "GPTNeoX", "Mixtral", "Falcon", "OPT")
 CONFIGS = {"Qwen3Next": dict(layer_types=["full_attention"] * 2, num_experts=4,
                              num_experts_per_tok=2, moe_intermediate_size=32,
-                             shared_expert_intermediate_size=32)}
+                             shared_expert_intermediate_size=32),
+           # Mamba hybrids, small and fast: a gated norm in each Mamba mixer; Falcon-H1's MLP
+           # scales gate(x) and the output, as its released models do
+           "FalconH1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                            mamba_chunk_size=8, mamba_rms_norm=True, mlp_multipliers=[0.5, 2.0]),
+           "Bamba": dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=8,
+                         attn_layer_indices=[1])}
 
 
 def architecture(name):
@@ -36,7 +42,7 @@ def perturb_norms(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if type(m).__name__.endswith(("LayerNorm", "RMSNorm")):
+            if type(m).__name__.endswith(("LayerNorm", "RMSNorm", "LayerNorm1P")):
                 w, b = getattr(m, "weight", None), getattr(m, "bias", None)
                 if isinstance(w, torch.Tensor):
                     offset = 0.0 if float(w.float().mean()) == 0.0 else 1.0  # 1 + w from 0

@@ -507,7 +507,7 @@ ARCHITECTURES = {
     "Phi3": {"msnorm", "rotary", "FusedLossHead"},  # gate and up in one Linear: no MS-GLU
     "Olmo2": {"msnorm", "MSGLU", "rotary", "FusedLossHead"},
     "Granite": {"msnorm", "MSGLU", "rotary", "FusedLossHead"},  # scales the logits
-    "Cohere": {"MSGLU", "FusedLossHead"},  # its own LayerNorm, an interleaved rotation
+    "Cohere": {"msnorm", "MSGLU", "FusedLossHead"},  # its own LayerNorm; an interleaved rotation
     "StableLm": {"msnorm", "MSGLU", "rotary", "FusedLossHead"},
     "GPTNeoX": {"msnorm", "rotary", "FusedLossHead"},  # rotates a quarter of each head
     "Mixtral": {"msnorm", "rotary", "FusedLossHead"},

@@ -21,7 +21,7 @@ APPLIED = CASES + [("llama-tiny+lora", "llm+actnn2")]
 # Every function that runs the model, a part of it or a module's code on a probe.
 PROBES = [(compress_module, "account"), (compress_module, "inputs_kept_elsewhere"),
           (compress_module, "norm_consumers"), (models, "call"), (lm_loss, "_probe_losses"),
-          (glu, "_check_probe"), (norms, "_rms_scale"), (rope, "_probe")]
+          (glu, "_check_probe"), (norms, "_probe_formula"), (rope, "_probe")]
 
 
 class Injected(RuntimeError):
