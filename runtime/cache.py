@@ -100,7 +100,7 @@ def read_verified(path: Path) -> bytes | None:
     head, _, data = raw.partition(b"\n")
     if head == seal(data).partition(b"\n")[0]:
         return data
-    warnings.warn(f"actdesign: regenerating the damaged cache file {path}", stacklevel=3)
+    warnings.warn(f"actdesign: regenerating the corrupted cache file {path}", stacklevel=3)
     return None
 
 
@@ -188,7 +188,7 @@ def _ensure_file(path: Path, text: str) -> None:
     if current == text.encode():
         return
     if current is not None:
-        warnings.warn(f"actdesign: regenerating the damaged cache file {path}", stacklevel=4)
+        warnings.warn(f"actdesign: regenerating the corrupted cache file {path}", stacklevel=4)
     write_private(path, text.encode(), replace=current is not None)
 
 

@@ -114,7 +114,7 @@ def test_tampered_op_modules_and_planted_numba_pickles_never_run(fresh_cache, tm
     again, warned = _run_op(fresh_cache)
     assert not marker.exists()
     assert again == first
-    assert "regenerating the damaged cache file" in warned
+    assert "regenerating the corrupted cache file" in warned
     assert module.read_text() == source
     for path in kernels:  # compiled again and sealed
         assert path.read_bytes().startswith(b"# actdesign sha256 ")
@@ -128,7 +128,7 @@ def test_a_hand_edited_table_is_fitted_again(fresh_cache, monkeypatch):
     assert text.count(repr(spec.levels[0])) == 1
     path.write_text(text.replace(repr(spec.levels[0]), repr(spec.levels[0] + 0.5)))
     monkeypatch.setattr(tables, "_MEMO", {})
-    with pytest.warns(UserWarning, match="regenerating the damaged cache file"):
+    with pytest.warns(UserWarning, match="regenerating the corrupted cache file"):
         again = tables.table("stepwise", "gelu", 3)
     assert again.levels == spec.levels
     assert path.read_text().count(repr(spec.levels[0])) == 1  # rewritten
