@@ -73,6 +73,8 @@ def private_dir(path: Path) -> Path:
             os.chmod(made, 0o700)  # mkdir's mode is masked by the umask
     path = missing[0] if missing else path
     info = path.stat()
+    if not hasattr(os, "getuid"):  # no POSIX owners and modes here
+        return path
     if info.st_uid != os.getuid():
         raise ActdesignError(f"the cache directory {str(path)!r} belongs to another user; set "
                              "ACTDESIGN_CACHE_DIR to a directory of your own")
