@@ -100,6 +100,18 @@ def _provenance() -> dict:
     return {"actdesign": __version__, "created": now}
 
 
+def behaviour(spec: Spec) -> dict:
+    """The spec's data without its provenance (who made it, when): what generated code may
+    depend on, so that the same table always makes the same op module."""
+    out = spec.to_dict()
+    del out["provenance"]
+    return out
+
+
+def behaviour_json(spec: Spec) -> str:
+    return json.dumps(behaviour(spec), sort_keys=True, allow_nan=False)
+
+
 def validate(data, origin: str = "spec") -> Spec:
     """Check every field of a parsed spec; raise ActdesignError naming the first bad one."""
     v = _Validator(origin)

@@ -48,7 +48,7 @@ def render(source) -> str:
         "bits": spec.bits,
         "label": label,
         "op_name": op_name(spec, label, triton_f, torch_f),
-        "spec_json": _string_lines(json.dumps(spec.to_dict(), sort_keys=True)),
+        "spec_json": _string_lines(spec_mod.behaviour_json(spec)),
         "borders": [literal(v) for v in spec.borders],
         "borders_f32": [literal(_ceil_float32(v)) for v in spec.borders],
         "levels": [literal(v) for v in spec.levels],

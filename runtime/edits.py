@@ -7,9 +7,38 @@ takes back those made, so the model is as it was.
 
 from __future__ import annotations
 
+import types
+
 from torch import nn
 
 _MISSING = object()
+
+
+class BoundMethod:
+    """`make(*args)`, a function, bound to `owner` as a method set on the instance: a deep
+    copy binds the copy, and a pickle holds (owner, make, args), so that a function built at
+    run time (a copy with other globals, a wrapper) is built again where it is loaded. `make`
+    and `args` must pickle by reference (module-level functions, classes)."""
+
+    def __init__(self, owner, make, *args):
+        self.__self__, self._make, self._args = owner, make, args
+        self.__func__ = make(*args)
+        self.__name__, self.__qualname__ = self.__func__.__name__, self.__func__.__qualname__
+        self.__doc__ = self.__func__.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __wrapped__(self):
+        """The plain bound method: inspect.signature reads its signature through this."""
+        return types.MethodType(self.__func__, self.__self__)
+
+    def __reduce__(self):
+        return BoundMethod, (self.__self__, self._make, *self._args)
+
+    def __repr__(self):
+        return f"<bound method {self.__qualname__} of {type(self.__self__).__name__}>"
 
 
 class Edit:

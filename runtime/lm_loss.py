@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import types
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +35,7 @@ from actdesign.errors import ActdesignError
 
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts
-from .edits import Edit, apply_all
+from .edits import BoundMethod, Edit, apply_all
 from .models import same_draws
 from .sharing import kept_for, rebuild
 from .targets import is_causal_lm
@@ -211,8 +210,7 @@ def plan_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None)
     # The original kept on the model, not in a closure, so that a deep copy runs its own.
     return name, [Edit(model.get_submodule(parent), attr, fused),
                   Edit(model, "unfused_forward", original),
-                  Edit(model, "forward", types.MethodType(_fused_forward(original.__func__),
-                                                          model))]
+                  Edit(model, "forward", BoundMethod(model, _fused_forward, original.__func__))]
 
 
 def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None) -> str:

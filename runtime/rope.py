@@ -37,7 +37,7 @@ from actdesign.codegen.render import render_rope
 from actdesign.errors import ActdesignError
 
 from .cache import generated
-from .edits import Edit
+from .edits import BoundMethod, Edit
 from .targets import ROTARY as NAME
 from .targets import rotary_function_of
 
@@ -194,12 +194,18 @@ def plan_rotary(attention: nn.Module) -> Edit:
                              "two halves), checked on a probe")
     if "forward" in attention.__dict__:
         raise ActdesignError("its forward is already replaced on the instance")
-    key = (type(attention).forward, original)
+    # A method bound to the instance: the class forward's signature and docstring; a deep
+    # copy of the model binds the copy, and a pickled one makes the forward again.
+    return Edit(attention, "forward", BoundMethod(attention, _rotary_forward, type(attention),
+                                                  original))
+
+
+def _rotary_forward(cls, original):
+    """The copy of cls.forward that calls our rotation in place of `original`."""
+    key = (cls.forward, original)
     if key not in _FORWARDS:
-        _FORWARDS[key] = _with_global(type(attention).forward, NAME, _replacement_for(original))
-    # A method bound to the instance: the class forward's signature and docstring, and a
-    # deep copy of the model binds the copy.
-    return Edit(attention, "forward", types.MethodType(_FORWARDS[key], attention))
+        _FORWARDS[key] = _with_global(cls.forward, NAME, _replacement_for(original))
+    return _FORWARDS[key]
 
 
 def attach_rotary(attention: nn.Module) -> None:

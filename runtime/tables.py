@@ -2,7 +2,8 @@
 
 `table("stepwise", "gelu", 3)` is the optimal 3-bit table for GELU' under N(0, 1);
 `table("pwl", "gelu", 2)` is the 2-bit piecewise-linear fit (ReGELU2's problem, unweighted).
-The file name carries a hash of what shapes the fit, so a new version never reads an old file.
+The file name carries a hash of what shapes the fit, so a new version never reads an old file;
+the file is sealed (see cache.py): one edited by hand is fitted again and rewritten.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from actdesign import __version__
 from actdesign import spec as spec_mod
 from actdesign.errors import ActdesignError
 
-from .cache import cache_dir
+from .cache import cache_dir, private_dir, read_verified, seal, write_private
 
 _LOCK = threading.Lock()
 _MEMO: dict = {}
@@ -31,13 +32,13 @@ def table(kind: str, activation: str, bits: int) -> spec_mod.Spec:
 
 def _cached(kind, activation, bits) -> spec_mod.Spec:
     digest = hashlib.sha256(json.dumps([kind, activation, bits, __version__]).encode())
-    path = cache_dir() / "tables" / f"{kind}_{activation}_{bits}b_" \
-                                     f"{digest.hexdigest()[:16]}.json"
-    if path.exists():
-        try:
-            return spec_mod.load(path)
-        except ActdesignError:
-            pass  # a damaged cache file: fit again and overwrite it
+    folder = private_dir(private_dir(cache_dir()) / "tables")
+    path = folder / f"{kind}_{activation}_{bits}b_{digest.hexdigest()[:16]}.json"
+    data = read_verified(path)
+    spec = _parsed(data, path)
+    if spec is not None:
+        return spec
+    damaged = path.exists()
     if kind == "pwl":
         from actdesign.designer.pwl import fit_pwl
 
@@ -46,6 +47,15 @@ def _cached(kind, activation, bits) -> spec_mod.Spec:
         from actdesign.designer import fit_stepwise
 
         spec = spec_mod.from_fit(fit_stepwise(activation, bits))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    spec_mod.save(spec, path)
-    return spec
+    write_private(path, seal(spec.to_json().encode()), replace=damaged)
+    # Processes fitting at once all use the table written first.
+    return _parsed(read_verified(path), path) or spec
+
+
+def _parsed(data: bytes | None, path) -> spec_mod.Spec | None:
+    if data is None:
+        return None
+    try:
+        return spec_mod.loads(data.decode(), str(path))
+    except (ActdesignError, UnicodeDecodeError):
+        return None  # sealed but not a spec this version reads: fitted again
