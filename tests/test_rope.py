@@ -165,7 +165,7 @@ def test_the_modeling_file_and_other_instances_are_untouched():
     model, inputs = built("llama-tiny")
     other, _ = built("llama-tiny")
     attention = model.model.layers[0].self_attn
-    module_globals = type(attention).forward.__wrapped__.__globals__
+    module_globals = inspect.unwrap(type(attention).forward).__globals__
     before = module_globals["apply_rotary_pos_emb"]
     attach_rotary(attention)
     assert module_globals["apply_rotary_pos_emb"] is before
@@ -183,7 +183,7 @@ def test_the_modeling_file_and_other_instances_are_untouched():
 def test_a_rotation_that_is_not_the_standard_one_is_refused(monkeypatch):
     model, _ = built("llama-tiny")
     attention = model.model.layers[0].self_attn
-    module_globals = type(attention).forward.__wrapped__.__globals__
+    module_globals = inspect.unwrap(type(attention).forward).__globals__
     standard = module_globals["apply_rotary_pos_emb"]
 
     def interleaved(q, k, cos, sin, unsqueeze_dim=1):  # GPT-J style pairs: another rotation
