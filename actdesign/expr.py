@@ -23,7 +23,15 @@ X = sp.Symbol("x", real=True)
 
 MAX_LENGTH = 2000  # characters
 MAX_NODES = 400  # AST nodes: keeps sympy's work bounded
-MAX_EXPONENT = 64  # |p| in x**p for a numeric p
+MAX_SYNTAX_DEPTH = 100  # nested AST nodes: the builder recurses once per level
+MAX_EXPONENT = 64  # |p| in x**p for a numeric p, also after sympy folds (x**64)**64
+# Limits on the sympy tree, checked after every step of building it: sympy folds and
+# duplicates subtrees (abs(a) holds `a` three times), so the text's size bounds nothing.
+MAX_TREE_NODES = 1500  # counting repeated subtrees each time, as printers walk them
+MAX_TREE_DEPTH = 20  # printers and lambdify recurse several frames per level
+MAX_BRANCHINGS = 24  # Piecewise nodes: each one is a where() in every backend
+MAX_DERIVATIVE_NODES = 20000  # f' and f'' are printed into every backend too
+MAX_DERIVATIVE_DEPTH = 40
 
 
 class sigmoid(sp.Function):  # noqa: N801  (printed as a function name)
@@ -101,6 +109,7 @@ _COMPARE = {
 class _Builder:
     def __init__(self, text: str):
         self.text = text
+        self.shape = _Shape()
 
     def fail(self, node: ast.AST | None, why: str) -> ActdesignError:
         where = f" at column {node.col_offset + 1}" if node is not None and hasattr(
@@ -112,6 +121,9 @@ class _Builder:
         if method is None:
             raise self.fail(node, f"{_describe(node)} is not allowed")
         result = method(node)
+        why = self.shape.refuse(result, MAX_TREE_NODES, MAX_TREE_DEPTH)
+        if why:
+            raise self.fail(node, why)
         if _is_condition(result) and not condition:
             raise self.fail(node, "a comparison is only allowed as the condition of where()")
         return result
@@ -229,12 +241,81 @@ def parse(text: str) -> sp.Expr:
             f"invalid expression {text!r}: syntax error at column {exc.offset or 0}") from None
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
         raise ActdesignError(f"expression too large (more than {MAX_NODES} syntax nodes)")
-    expr = _Builder(text).build(tree.body)
+    if _syntax_depth(tree) > MAX_SYNTAX_DEPTH:
+        raise ActdesignError(f"expression nested too deeply (more than {MAX_SYNTAX_DEPTH} "
+                             "levels)")
+    builder = _Builder(text)
+    expr = builder.build(tree.body)
     if expr.has(sp.oo, -sp.oo, sp.zoo, sp.nan):
         raise ActdesignError(f"invalid expression {text!r}: it contains an infinite constant")
     if not expr.has(X):
         raise ActdesignError(f"invalid expression {text!r}: it does not depend on x")
+    derivative = expr
+    for order in ("f'", "f''"):  # every backend prints both; bound them now
+        derivative = sp.diff(derivative, X)
+        why = builder.shape.refuse(derivative, MAX_DERIVATIVE_NODES, MAX_DERIVATIVE_DEPTH,
+                                   branchings=None)
+        if why:
+            raise ActdesignError(f"invalid expression {text!r}: its derivative {order}: {why}")
     return expr
+
+
+def _syntax_depth(tree: ast.AST) -> int:
+    deepest, todo = 0, [(tree, 1)]
+    while todo:
+        node, depth = todo.pop()
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
+class _Shape:
+    """Size, depth, Piecewise count and largest exponent of sympy trees, memoised per
+    subtree so that checking after every step costs time linear in the distinct nodes."""
+
+    def __init__(self):
+        self.memo: dict = {}
+
+    def measure(self, expr) -> tuple[int, int, int, float]:
+        stack = [expr]
+        while stack:  # iterative post-order: no recursion limit on deep trees
+            node = stack[-1]
+            if node in self.memo:
+                stack.pop()
+                continue
+            todo = [a for a in node.args if a not in self.memo]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            parts = [self.memo[a] for a in node.args]
+            size = 1 + sum(p[0] for p in parts)
+            depth = 1 + max((p[1] for p in parts), default=0)
+            branchings = isinstance(node, sp.Piecewise) + sum(p[2] for p in parts)
+            power = max((p[3] for p in parts), default=0.0)
+            if isinstance(node, sp.Pow) and node.exp.is_Number:
+                power = max(power, abs(float(node.exp)))
+            elif isinstance(node, sp.Number):
+                power = max(power, 0.0 if math.isfinite(float(node)) else math.inf)
+            self.memo[node] = (size, depth, branchings, power)
+        return self.memo[expr]
+
+    def refuse(self, expr, nodes: int, depth: int, branchings: int | None = MAX_BRANCHINGS):
+        """Why `expr` is too large, or "" when it is within the limits."""
+        if not isinstance(expr, sp.Basic):
+            return ""
+        size, deep, branches, power = self.measure(expr)
+        if power == math.inf:
+            return "a constant is outside the float64 range"
+        if power > MAX_EXPONENT:
+            return f"exponents are limited to |p| <= {MAX_EXPONENT} (after simplification)"
+        if size > nodes:
+            return f"too large after simplification (more than {nodes} nodes)"
+        if deep > depth:
+            return f"nested too deeply after simplification (more than {depth} levels)"
+        if branchings is not None and branches > branchings:
+            return f"too many branches (more than {branchings} where/abs/max/min/clip)"
+        return ""
 
 
 # --- numpy backend -------------------------------------------------------------------------
@@ -301,7 +382,7 @@ def _relationals(cond):
 def _roots(expr: sp.Expr, lo: float, hi: float) -> list[float]:
     if not expr.has(X):
         return []
-    if expr.is_polynomial(X):
+    if expr.is_polynomial(X) and _degree_bound(expr) <= MAX_EXPONENT:
         coeffs = [float(c) for c in sp.Poly(expr, X).all_coeffs()]
         if len(coeffs) == 2:
             return [-coeffs[1] / coeffs[0] + 0.0]  # + 0.0 turns -0.0 into 0.0
@@ -313,6 +394,23 @@ def _roots(expr: sp.Expr, lo: float, hi: float) -> list[float]:
     for k in np.nonzero(np.sign(ys[:-1]) * np.sign(ys[1:]) < 0)[0]:
         roots.append(_bisect(fn, xs[k], xs[k + 1], ys[k]))
     return roots
+
+
+def _degree_bound(expr) -> float:
+    """An upper bound on a polynomial's degree in x, without expanding it: above
+    MAX_EXPONENT, roots are found numerically (np.roots on a huge companion matrix would
+    take hours and gigabytes)."""
+    if expr == X:
+        return 1
+    if not expr.has(X):
+        return 0
+    if isinstance(expr, sp.Pow) and expr.exp.is_Integer and expr.exp >= 0:
+        return int(expr.exp) * _degree_bound(expr.base)
+    if isinstance(expr, sp.Mul):
+        return sum(_degree_bound(a) for a in expr.args)
+    if isinstance(expr, sp.Add):
+        return max(_degree_bound(a) for a in expr.args)
+    return math.inf
 
 
 def _bisect(fn, a: float, b: float, fa: float) -> float:
