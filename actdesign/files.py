@@ -23,8 +23,9 @@ PNG_SOFTWARE = "actdesign"  # the PNG tEXt "Software" value of our plots
 def check_writable(path: str | Path, kind: str | None = None, force: bool = False) -> Path:
     """Fail early, before any long computation, if `path` cannot or should not be written.
 
-    Never a directory, device, FIFO or socket. A symbolic link, or (with `kind`) an existing
-    file that is not an actdesign output of that kind, is replaced only with `force`.
+    Never a directory, device, FIFO or socket. With `kind` (the CLI's outputs), a symbolic
+    link or an existing file that is not an actdesign output of that kind is replaced only
+    with `force`; the replacement is the link itself, never its target.
     """
     if str(path) == "":
         raise ActdesignError("the output path is empty")
@@ -37,7 +38,7 @@ def check_writable(path: str | Path, kind: str | None = None, force: bool = Fals
     except OSError as exc:
         raise ActdesignError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
     if info is not None and stat.S_ISLNK(info.st_mode):
-        if not force:
+        if kind is not None and not force:
             raise ActdesignError(f"will not replace {str(path)!r}: it is a symbolic link; "
                                  "pass --force to replace the link (not its target)")
     elif info is not None and stat.S_ISDIR(info.st_mode):
@@ -94,9 +95,9 @@ def module_header(body: bytes | str) -> str:
     return f"{MODULE_HEADER}{hashlib.sha256(body).hexdigest()}\n"
 
 
-def write_atomic(path: str | Path, data: str | bytes, force: bool = False) -> Path:
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """Write to a temporary file in the same directory, then rename it over `path`."""
-    path = check_writable(path, force=force)
+    path = check_writable(path)
     mode = "wb" if isinstance(data, bytes) else "w"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
