@@ -120,9 +120,12 @@ def read_data(path: str | Path, what: str, limit: int) -> bytes:
     """A regular file's bytes, at most `limit` of them: /dev/zero or a FIFO never hangs."""
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+        # Non-blocking: opening a FIFO without a writer would wait forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ActdesignError(f"cannot read {what} {str(path)!r}: not a regular file")
+            os.set_blocking(fd, True)
             data = fh.read(limit + 1)
     except FileNotFoundError:
         raise ActdesignError(f"{what} file {str(path)!r} not found") from None
