@@ -11,6 +11,9 @@ import pytest
 
 from actdesign.cli import main
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bounds import within  # noqa: E402
+
 
 def run(capsys, *argv):
     with pytest.raises(SystemExit) as info:
@@ -81,14 +84,26 @@ ERROR_CASES = {
     "pwl with grid": ["fit", "gelu", "--kind", "pwl", "--bits", "2", "--grid", "100"],
     "pwl bits": ["fit", "gelu", "--kind", "pwl", "--bits", "5"],
     "pwl no asymptote": ["fit", "x**2", "--kind", "pwl", "--bits", "2"],
+    "huge mean": ["fit", "gelu", "--bits", "2", "--mean", "1e300"],
+    "tiny std": ["fit", "gelu", "--bits", "2", "--std", "1e-300"],
+    "huge domain": ["fit", "gelu", "--bits", "2", "--weight", "uniform", "--domain", "1e300",
+                    "2e300"],
+    "folded exponent": ["fit", "(x**64)**64", "--bits", "2"],
+    "empty out": ["fit", "gelu", "--bits", "2", "--out", ""],
+    "device out": ["fit", "gelu", "--bits", "2", "--out", "/dev/null"],
+    "non-module out": ["gen-kernel", "s.json", "--out", "3d-ops.py"],
+    "keyword out": ["gen-kernel", "s.json", "--out", "class.py"],
+    "show /dev/zero": ["show", "/dev/zero"],
+    "empirical /dev/zero": ["fit", "gelu", "--bits", "2", "--weight", "empirical:/dev/zero"],
 }
 
 
 @pytest.mark.parametrize("case", ERROR_CASES, ids=list(ERROR_CASES))
 def test_errors_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypatch, case):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(capsys, *ERROR_CASES[case], "--out", "result.json") \
-        if ERROR_CASES[case][0] == "fit" else run(capsys, *ERROR_CASES[case])
+    argv = ERROR_CASES[case]
+    code, out, err = run(capsys, *argv, "--out", "result.json") \
+        if argv[0] == "fit" and "--out" not in argv else run(capsys, *argv)
     assert code == 2
     assert err.startswith("actdesign: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and out == ""
@@ -255,3 +270,86 @@ def test_long_fit_shows_a_progress_bar_on_a_terminal(tmp_path):
     piped = subprocess.run([sys.executable, "-c", "from actdesign.cli import main; main()",
                             "fit", "gelu", "--bits", "6"], capture_output=True, timeout=300)
     assert piped.returncode == 0 and piped.stderr == b""
+
+
+def _spec(capsys, path, bits="1"):
+    assert run(capsys, "fit", "relu", "--bits", bits, "--out", str(path))[0] == 0
+    return path
+
+
+def test_hostile_data_files_fail_fast(capsys, tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    spec = json.loads(_spec(capsys, tmp_path / "s.json").read_text())
+    edges = np.linspace(-4, 4, 5002).tolist()
+    spec["objective"]["weight"] = {"type": "empirical", "edges": edges, "counts": [1.0] * 5001}
+    (tmp_path / "bins.json").write_text(json.dumps(spec))
+    (tmp_path / "deep.json").write_text("[" * 100000)
+    cases = [(["show", str(fifo)], "not a regular file"),
+             (["fit", "tanh", "--bits", "2", "--weight", f"empirical:{fifo}"],
+              "not a regular file"),
+             (["show", str(tmp_path / "bins.json")], "1..4096 bins"),
+             (["gen-kernel", str(tmp_path / "bins.json")], "1..4096 bins"),
+             (["show", str(tmp_path / "deep.json")], "not valid JSON")]
+    for argv, message in cases:
+        with within(10.0, " ".join(argv)):  # a FIFO open blocks forever
+            code, out, err = run(capsys, *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_outputs_replace_only_their_own_kind(capsys, tmp_path):
+    spec_file = _spec(capsys, tmp_path / "s.json")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine")
+    link = tmp_path / "link.json"
+    link.symlink_to(precious)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused = [(["fit", "relu", "--bits", "1", "--out", str(precious)], "pass --force"),
+               (["fit", "relu", "--bits", "1", "--out", str(link)], "symbolic link"),
+               (["fit", "relu", "--bits", "1", "--out", str(spec_file.parent)], "directory"),
+               (["fit", "relu", "--bits", "1", "--out", str(fifo)], "not a regular file"),
+               (["show", str(spec_file), "--plot", str(precious)], "pass --force"),
+               (["gen-kernel", str(spec_file), "--out", str(tmp_path / "link.py")], ""),
+               (["allocate", str(spec_file), "--avg-bits", "2", "--out", str(precious)],
+                "pass --force")]
+    (tmp_path / "link.py").symlink_to(precious)
+    for argv, message in refused:
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+    assert precious.read_text() == "mine" and link.is_symlink() and fifo.is_fifo()
+    # Our own outputs of the same kind are replaced freely.
+    assert run(capsys, "fit", "relu", "--bits", "2", "--out", str(spec_file))[0] == 0
+    plot = tmp_path / "p.png"
+    for _ in range(2):
+        assert run(capsys, "show", str(spec_file), "--plot", str(plot))[0] == 0
+    # With --force, the link itself is replaced, never its target.
+    assert run(capsys, "fit", "relu", "--bits", "1", "--out", str(link), "--force")[0] == 0
+    assert not link.is_symlink() and precious.read_text() == "mine"
+    assert json.loads(link.read_text())["bits"] == 1
+    assert run(capsys, "fit", "relu", "--bits", "1", "--out", str(precious), "--force")[0] == 0
+    assert json.loads(precious.read_text())["bits"] == 1
+
+
+def test_a_hand_edited_module_needs_force(capsys, tmp_path):
+    spec_file = _spec(capsys, tmp_path / "s.json")
+    module = tmp_path / "s_ops.py"
+    assert run(capsys, "gen-kernel", str(spec_file))[0] == 0
+    assert run(capsys, "gen-kernel", str(spec_file))[0] == 0  # unedited: regenerated
+    module.write_text(module.read_text() + "# tuned by hand\n")
+    code, _, err = run(capsys, "gen-kernel", str(spec_file))
+    assert code == 2 and "not an actdesign module" in err and "--force" in err
+    assert module.read_text().endswith("# tuned by hand\n")
+    assert run(capsys, "gen-kernel", str(spec_file), "--force")[0] == 0
+    assert not module.read_text().endswith("# tuned by hand\n")
+
+
+def test_ctrl_c_exits_130(capsys, monkeypatch):
+    import actdesign.activation
+
+    def interrupted(text):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(actdesign.activation, "resolve", interrupted)
+    code, out, err = run(capsys, "fit", "gelu", "--bits", "2")
+    assert (code, out, err) == (130, "", "actdesign: interrupted\n")
