@@ -13,6 +13,7 @@ from actdesign.cli import main
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bounds import within  # noqa: E402
+from conftest import synthetic_spec  # noqa: E402
 
 
 def run(capsys, *argv):
@@ -84,30 +85,51 @@ ERROR_CASES = {
     "pwl with grid": ["fit", "gelu", "--kind", "pwl", "--bits", "2", "--grid", "100"],
     "pwl bits": ["fit", "gelu", "--kind", "pwl", "--bits", "5"],
     "pwl no asymptote": ["fit", "x**2", "--kind", "pwl", "--bits", "2"],
-    "huge mean": ["fit", "gelu", "--bits", "2", "--mean", "1e300"],
-    "tiny std": ["fit", "gelu", "--bits", "2", "--std", "1e-300"],
-    "huge domain": ["fit", "gelu", "--bits", "2", "--weight", "uniform", "--domain", "1e300",
-                    "2e300"],
-    "folded exponent": ["fit", "(x**64)**64", "--bits", "2"],
-    "empty out": ["fit", "gelu", "--bits", "2", "--out", ""],
-    "device out": ["fit", "gelu", "--bits", "2", "--out", "/dev/null"],
-    "non-module out": ["gen-kernel", "s.json", "--out", "3d-ops.py"],
-    "keyword out": ["gen-kernel", "s.json", "--out", "class.py"],
-    "show /dev/zero": ["show", "/dev/zero"],
-    "empirical /dev/zero": ["fit", "gelu", "--bits", "2", "--weight", "empirical:/dev/zero"],
 }
 
 
 @pytest.mark.parametrize("case", ERROR_CASES, ids=list(ERROR_CASES))
 def test_errors_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypatch, case):
     monkeypatch.chdir(tmp_path)
-    argv = ERROR_CASES[case]
-    code, out, err = run(capsys, *argv, "--out", "result.json") \
-        if argv[0] == "fit" and "--out" not in argv else run(capsys, *argv)
+    code, out, err = run(capsys, *ERROR_CASES[case], "--out", "result.json") \
+        if ERROR_CASES[case][0] == "fit" else run(capsys, *ERROR_CASES[case])
     assert code == 2
     assert err.startswith("actdesign: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and out == ""
     assert list(tmp_path.iterdir()) == []  # no output, partial or otherwise
+
+
+# Hostile inputs and outputs, each with the cause its one line must name.
+HOSTILE_CASES = {
+    "huge mean": (["fit", "gelu", "--bits", "2", "--mean", "1e300"], "out of range"),
+    "tiny std": (["fit", "gelu", "--bits", "2", "--std", "1e-300"], "out of range"),
+    "huge domain": (["fit", "gelu", "--bits", "2", "--weight", "uniform", "--domain", "1e300",
+                     "2e300"], "out of range"),
+    "folded exponent": (["fit", "(x**64)**64", "--bits", "2"], "after simplification"),
+    "empty out": (["fit", "gelu", "--bits", "2", "--out", ""], "output path is empty"),
+    # A FIFO stands for devices too: before, os.replace put a file in the device's place.
+    "fifo out": (["fit", "gelu", "--bits", "2", "--out", "fifo"], "not a regular file"),
+    "non-module out": (["gen-kernel", "s.json", "--out", "3d-ops.py"], "valid Python module"),
+    "keyword out": (["gen-kernel", "s.json", "--out", "class.py"], "valid Python module"),
+    "show /dev/zero": (["show", "/dev/zero"], "not a regular file"),
+    "empirical /dev/zero": (["fit", "gelu", "--bits", "2", "--weight", "empirical:/dev/zero"],
+                            "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_CASES, ids=list(HOSTILE_CASES))
+def test_hostile_inputs_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    argv, message = HOSTILE_CASES[case]
+    (tmp_path / "s.json").write_text(json.dumps(synthetic_spec("relu", 1)))
+    os.mkfifo(tmp_path / "fifo")
+    with within(10.0, case):  # each once took minutes, or read without end
+        code, out, err = run(capsys, *argv)
+    assert code == 2 and message in err, err
+    assert err.startswith("actdesign: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "s.json"]
+    assert (tmp_path / "fifo").is_fifo()
 
 
 def test_fit_pwl_show_and_gen_kernel(capsys, tmp_path):
