@@ -121,13 +121,13 @@ def test_bad_names_and_files(tmp_path):
 
 
 def test_hostile_policy_files_are_one_line(tmp_path, make_spec):
-    inline = json.dumps(make_spec("gelu", 2))
+    big = "1" + "0" * 400
+    inline = re.sub(r'"levels": \[[^,]+', '"levels": [' + big, json.dumps(make_spec("gelu", 2)))
     hostile = {
-        "huge ratio": '{"rules": [{"target": "linear", "apply": "backrazor", "ratio": 1%s}]}'
-                      % ("0" * 400),
+        "huge ratio": '{"rules": [{"target": "linear", "apply": "backrazor", "ratio": '
+                      + big + "}]}",
         "huge level inline": '{"rules": [{"target": "activation", "apply": "fewbit", '
-                             '"bits": 2, "spec": %s}]}'
-                             % re.sub(r'"levels": \[[^,]+', '"levels": [1' + "0" * 400, inline),
+                             '"bits": 2, "spec": ' + inline + "}]}",
         "deep nesting": "[" * 100000,
     }
     for name, text in hostile.items():
