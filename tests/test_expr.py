@@ -130,6 +130,11 @@ HOSTILE = {
     "root of a power": "sqrt(x**64)**64",
     "functions nested 30 deep": "sin(" * 30 + "x" + ")" * 30,
     "constant beyond float64": "x*" + "*".join(["9007199254740992"] * 40),
+    "constant tower": "x*exp(exp(exp(exp(exp(exp(exp(exp(2))))))))",
+    "constant compared with softplus": "where(-100 < softplus(2), x, 0)",
+    "tanh nested over sqrt": "tanh(" * 10 + "sqrt(x)" + ")" * 10,
+    "derivative sympy cannot print": "log1p((x*x)**-0.5)",
+    "infinite derivative": "(-relu(min(sin(x * 64), -x)))**x",
 }
 
 
@@ -138,6 +143,15 @@ def test_hostile_expressions_are_refused_quickly(text):
     with within(3.0, text[:40]), pytest.raises(ActdesignError) as info:
         resolve(text)
     assert "\n" not in str(info.value)
+
+
+def test_branches_in_comparisons_keep_their_meaning():
+    act = resolve("where(abs(x) > 1, x, 0) + max(abs(x - 1), 0.5)")
+    xs = np.linspace(-3, 3, 601)
+    expected = np.where(np.abs(xs) > 1, xs, 0) + np.maximum(np.abs(xs - 1), 0.5)
+    assert np.array_equal(act.f(xs), expected)
+    points = act.breakpoints(-3, 3)  # every kink; abs's own switch at 0 may come too
+    assert all(np.isclose(points, p, rtol=0, atol=1e-12).any() for p in (-1, 0.5, 1, 1.5))
 
 
 def test_conditions_of_high_degree_are_solved_numerically():
