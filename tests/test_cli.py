@@ -375,3 +375,11 @@ def test_ctrl_c_exits_130(capsys, monkeypatch):
     monkeypatch.setattr(actdesign.activation, "resolve", interrupted)
     code, out, err = run(capsys, "fit", "gelu", "--bits", "2")
     assert (code, out, err) == (130, "", "actdesign: interrupted\n")
+
+
+def test_pwl_asymptotes_are_bounded(capsys):
+    # sympy's limit of x + tanh(tanh(tanh(tanh(tanh(x))))) never returns.
+    text = "x + " + "tanh(" * 5 + "x" + ")" * 5
+    with within(20.0, "pwl asymptotes"):  # 5 s a side at most
+        code, out, err = run(capsys, "fit", text, "--kind", "pwl", "--bits", "2")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "asymptotes" in err, err
