@@ -70,7 +70,7 @@ class softplus(sp.Function):  # noqa: N801
 
 def _condition(rel):
     """A comparison, spelled out branch by branch where a side holds a Piecewise: sympy
-    would otherwise rewrite it through sets, in seconds that double with each nesting."""
+    would otherwise rewrite it through sets, in seconds that multiply with each nesting."""
     if not rel.has(sp.Piecewise):
         return rel
     difference = sp.piecewise_fold(rel.lhs - rel.rhs)
