@@ -82,11 +82,11 @@ class Activation:
 
     @cached_property
     def df_expr(self) -> sp.Expr:
-        return sp.diff(self.f_expr, _expr.X)
+        return _expr.derivatives(self.f_expr)[0]
 
     @cached_property
     def d2f_expr(self) -> sp.Expr:
-        return sp.diff(self.df_expr, _expr.X)
+        return _expr.derivatives(self.f_expr)[1]
 
     @cached_property
     def f(self):

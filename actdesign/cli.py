@@ -12,6 +12,18 @@ import click
 
 from .errors import ActdesignError
 
+_FORCE = click.option("--force", is_flag=True,
+                      help="Overwrite an output that is not an actdesign output of the same "
+                           "kind, or replace a symbolic link.")
+
+
+def _check_out(path, kind, force):
+    """Refuse a bad output path before any work: see files.check_writable."""
+    from .files import check_writable
+
+    if path is not None:
+        check_writable(path, kind, force)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="actdesign")
@@ -68,7 +80,8 @@ def _weight(spec: str, mean: float | None, std: float | None, domain):
 @click.option("--grid", type=int, help="Candidate-grid cells for the exact stage "
                                        "[max(2048, 32 * 2^bits)].")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), help="Write the spec here.")
-def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out):
+@_FORCE
+def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out, force):
     """Fit an optimal few-bit table for ACTIVATION: a step function for f' (stepwise), or a
     piecewise-linear f whose derivative is one (pwl).
 
@@ -78,15 +91,13 @@ def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out):
     from . import spec as spec_mod
     from .activation import resolve
     from .designer import fit_stepwise
-    from .files import check_writable
 
+    _check_out(out, "spec", force)
     act = resolve(activation)
     if kind == "pwl" and grid is not None:
         raise ActdesignError("--grid applies to --kind stepwise only")
     unweighted = kind == "pwl" and (weight, mean, std, domain) == (None,) * 4
     w = None if unweighted else _weight(weight or "normal", mean, std, domain)
-    if out:
-        check_writable(out)
     if kind == "pwl":
         from .designer.pwl import fit_pwl
 
@@ -106,10 +117,10 @@ def _report(spec, out):
     from . import spec as spec_mod
     from .report import describe
 
-    if out:
+    if out is not None:
         spec_mod.save(spec, out)
     click.echo(describe(spec, out))
-    if out:
+    if out is not None:
         click.echo(f"\nwrote {out}")
 
 
@@ -117,18 +128,16 @@ def _report(spec, out):
 @click.argument("spec_file", metavar="SPEC", type=click.Path(dir_okay=False))
 @click.option("--plot", type=click.Path(dir_okay=False), metavar="PNG",
               help="Also draw f', the table and the error into this PNG file.")
-def show(spec_file, plot):
+@_FORCE
+def show(spec_file, plot, force):
     """Print a spec's borders, levels and error as a readable table."""
     from . import report
     from .spec import load
 
+    _check_out(plot, "plot", force)
     spec = load(spec_file)
-    if plot:
-        from .files import check_writable
-
-        check_writable(plot)
     click.echo(report.describe(spec, spec_file))
-    if plot:
+    if plot is not None:
         report.plot(spec, plot)
         click.echo(f"\nwrote {plot}")
 
@@ -137,13 +146,14 @@ def show(spec_file, plot):
 @click.argument("spec_file", metavar="SPEC", type=click.Path(dir_okay=False))
 @click.option("--out", "-o", type=click.Path(dir_okay=False), metavar="FILE.py",
               help="Write the module here [SPEC's directory, <name>_ops.py].")
-def gen_kernel(spec_file, out):
+@_FORCE
+def gen_kernel(spec_file, out, force):
     """Generate a self-contained op module (Triton kernels, torch op, nn.Module) from SPEC."""
+    import keyword
     import re
     from pathlib import Path
 
     from .codegen.render import write
-    from .files import check_writable
     from .spec import load
 
     if out is None:
@@ -151,8 +161,12 @@ def gen_kernel(spec_file, out):
         out = str(Path(spec_file).with_name(f"{stem}_ops.py"))
     elif not out.endswith(".py"):
         raise ActdesignError(f"--out {out!r} must end in .py, so Python can import it")
+    module = Path(out).stem
+    if not module.isidentifier() or keyword.iskeyword(module):
+        raise ActdesignError(f"cannot import {out!r}: {module!r} is not a valid Python module "
+                             "name; give --out a name like my_ops.py")
     spec = load(spec_file)
-    check_writable(out)
+    _check_out(out, "module", force)
     write(spec, out)
     click.echo(f"wrote {out}: {spec.bits}-bit codes, {spec.bits / 8:g} bytes per element saved "
                "for backward")
@@ -164,7 +178,8 @@ def gen_kernel(spec_file, out):
 @click.option("--avg-bits", type=click.FloatRange(1, 8), required=True,
               help="The budget: this many bits per unit of weight on average.")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), help="Write the bits here.")
-def allocate(stats_file, avg_bits, out):
+@_FORCE
+def allocate(stats_file, avg_bits, out, force):
     """Bits per item minimising Σ C/(2^b-1)² under Σ w·b <= avg-bits·Σ w, exactly.
 
     STATS is {"format": "actdesign.stats/1", "items": [{"name", "C", "w"}, ...]}, as
@@ -175,11 +190,9 @@ def allocate(stats_file, avg_bits, out):
     import numpy as np
 
     from .designer.allocate import allocate, greedy_heap, load_stats, save_bits, variance
-    from .files import check_writable
 
+    _check_out(out, "bits", force)
     names, C, w = load_stats(stats_file)
-    if out:
-        check_writable(out)
     budget = avg_bits * float(w.sum())
     start = time.perf_counter()
     result = allocate(C, w, budget)
@@ -192,7 +205,7 @@ def allocate(stats_file, avg_bits, out):
                f"{greedy:.10g}: ours {100 * better:.4g}% lower")
     counts = np.bincount(result.bits, minlength=9)[1:]
     click.echo("bits: " + ", ".join(f"{b}: {c}" for b, c in enumerate(counts, 1) if c))
-    if out:
+    if out is not None:
         save_bits(out, result, {n: int(b) for n, b in zip(names, result.bits, strict=True)},
                   avg_bits=avg_bits, greedy_variance=greedy)
         click.echo(f"wrote {out}")
@@ -223,23 +236,23 @@ _MODEL_HELP = ("A built-in transformers config (gpt2, llama, qwen2, bert, vit, o
               help="Also draw the saved bytes by module as a bar chart.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
               metavar="FILE", help="Also write the measurements as JSON ('-': stdout only).")
+@_FORCE
 def profile(model_name, policy, batch, seq, device, precision, repeats, per_module, plot,
-            json_out):
+            json_out, force):
     """One training step of a model, baseline and compressed with POLICY: bytes saved for the
     backward by module, peak memory and step time."""
     import json
 
     import torch
 
-    from .files import check_writable, write_atomic
+    from .files import write_atomic
     from .runtime import load_policy
     from .runtime.profile import plot as draw
     from .runtime.profile import profile as run
 
+    _check_out(plot, "plot", force)
+    _check_out(json_out if json_out != "-" else None, "json", force)
     load_policy(policy)  # a bad policy fails before the model is built
-    for path in (plot, json_out if json_out != "-" else None):
-        if path:
-            check_writable(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = run(model_name, policy, batch, seq, device, repeats, precision=precision)
     text = json.dumps(result.to_dict(), indent=1)
@@ -252,10 +265,10 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
         click.echo(f"left alone {name} ({kind}): {why}")
     if len(skipped) > 8:
         click.echo(f"... and {len(skipped) - 8} more (--json lists all)")
-    if plot:
+    if plot is not None:
         draw(result, plot, per_module)
         click.echo(f"wrote {plot}")
-    if json_out:
+    if json_out is not None:
         write_atomic(json_out, text + "\n")
         click.echo(f"wrote {json_out}")
 
@@ -274,17 +287,17 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
               help="Average bits for the ActNN allocation [the policy's actnn bits].")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), required=True,
               help="Write the calibrated policy here.")
-def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out):
+@_FORCE
+def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
     """Fit a table per activation layer to the inputs it sees on your data (and allocate ActNN
     bits exactly); write one policy that compress and profile accept."""
-    from .files import check_writable
     from .runtime import load_policy
     from .runtime import models as model_mod
     from .runtime.calibrate_policy import calibrate_policy
     from .runtime.policy import save
 
+    _check_out(out, "policy", force)
     base = load_policy(policy or f"fewbit{bits or 3}")
-    check_writable(out)
     batches = model_mod.load_callable(data, "data")
     model, _ = model_mod.build(model_name)
     result = calibrate_policy(model, lambda: _batches(batches, data), base, bits=bits,
@@ -306,7 +319,11 @@ def _batches(function, name):
 def main(argv=None) -> None:
     """Entry point: one-line errors with exit code 2, never a traceback for user mistakes."""
     try:
-        code = cli.main(args=argv, prog_name="actdesign", standalone_mode=False)
+        # Not cli.main: it turns Ctrl-C into a bare Abort after printing a blank line.
+        with cli.make_context("actdesign", sys.argv[1:] if argv is None else list(argv)) as ctx:
+            code = cli.invoke(ctx)
+    except click.exceptions.Exit as exc:  # --help, --version
+        sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("actdesign: aborted", err=True)
         sys.exit(1)

@@ -128,10 +128,10 @@ def _plot_pwl(spec: Spec, act, x, g, q, inner, path) -> None:
 def _save(fig, path) -> None:
     from matplotlib import pyplot as plt
 
-    from .files import write_atomic
+    from .files import PNG_SOFTWARE, write_atomic
 
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": PNG_SOFTWARE})
     plt.close(fig)
     write_atomic(path, buf.getvalue())

@@ -197,6 +197,12 @@ def _objective(v: _Validator, obj) -> dict:
         v.require(isinstance(w.get("source", ""), str), f"{path}.source", "must be a string")
     else:
         v.require(False, f"{path}.type", "must be normal, uniform, flat or empirical")
+    from .designer.weights import from_dict as weight_from_dict
+
+    try:  # the weight's own limits (bins, scale), as every later stage will build it
+        weight_from_dict(w)
+    except ActdesignError as exc:
+        raise ActdesignError(f"{v.origin}: {path}: {exc}") from None
     if "grid" in obj:
         v.integer(obj["grid"], "objective.grid", 1, 2**20)
     v.require(set(obj) <= {"weight", "grid"}, "objective", "has unknown fields")
@@ -215,8 +221,12 @@ class _Validator:
     def number(self, value, path) -> float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         self.require(ok, path, f"must be a number, got {type(value).__name__}")
+        try:
+            value = float(value)  # a huge Python int overflows here
+        except OverflowError:
+            value = math.inf
         self.require(math.isfinite(value), path, "must be finite")
-        return float(value)
+        return value
 
     def integer(self, value, path, lo, hi) -> int:
         ok = isinstance(value, int) and not isinstance(value, bool)

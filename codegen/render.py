@@ -19,7 +19,7 @@ import numpy as np
 from actdesign import __version__
 from actdesign import spec as spec_mod
 from actdesign.errors import ActdesignError
-from actdesign.files import write_atomic
+from actdesign.files import module_header, write_atomic
 
 from .printers import TORCH, TRITON, Code, literal, print_code
 
@@ -101,9 +101,10 @@ def _parsed(source_text: str) -> str:
 
 
 def write(source, path) -> str:
-    """Render a spec and write the module to `path` atomically; returns the source."""
+    """Render a spec and write the module to `path` atomically, under a header line that
+    tells an unedited module from a hand-edited one; returns the source (without it)."""
     text = render(source)
-    write_atomic(path, text)
+    write_atomic(path, module_header(text) + text)
     return text
 
 

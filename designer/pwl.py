@@ -29,7 +29,7 @@ import sympy as sp
 
 from actdesign.activation import Activation, resolve
 from actdesign.errors import ActdesignError
-from actdesign.expr import X, sigmoid, softplus
+from actdesign.expr import X, sigmoid, softplus, time_limit
 
 from .quadrature import _gauss_legendre, adaptive_integral
 from .weights import Flat
@@ -39,6 +39,7 @@ DEFAULT_TAIL_TOL = 1e-10
 MAX_RANGE = 64.0
 TABLE_CELLS = 4096  # cells of the tail-moment table
 SEARCH_POINTS = 160  # grid positions for knots in the combinatorial search
+ASYMPTOTE_SECONDS = 5.0  # per side; legitimate limits take well under a second or two
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,12 +80,15 @@ def asymptotes(act: Activation) -> tuple[tuple[float, float], tuple[float, float
     expr = act.f_expr.replace(sigmoid, lambda u: 1 / (1 + sp.exp(-u)))
     expr = expr.replace(softplus, lambda u: sp.log(1 + sp.exp(u)))
     sides = []
+    slow = (f"{act.label}: sympy needs more than {ASYMPTOTE_SECONDS:g} s to find its "
+            "asymptotes, which a pwl fit follows; write it more simply")
     for side, name in ((-sp.oo, "-inf"), (sp.oo, "+inf")):
         far = expr.replace(lambda e: isinstance(e, sp.Piecewise),
                            lambda e, side=side: _branch_at(e, side))
         try:
-            slope = sp.limit(far / X, X, side)
-            offset = sp.limit(far - slope * X, X, side) if slope.is_finite else sp.oo
+            with time_limit(ASYMPTOTE_SECONDS, slow):  # sp.limit may never return
+                slope = sp.limit(far / X, X, side)
+                offset = sp.limit(far - slope * X, X, side) if slope.is_finite else sp.oo
         except (NotImplementedError, ValueError, TypeError):
             slope = offset = sp.nan
         if not (slope.is_finite and offset.is_finite and slope.is_real and offset.is_real):

@@ -21,6 +21,20 @@ _SQRT_2PI = math.sqrt(2.0 * math.pi)
 NORMAL_CANDIDATE_SIGMAS = 6.0  # borders beyond mean ± 6 std change E by < 1e-9 relative
 NORMAL_INTEGRATION_SIGMAS = 40.0  # the normal pdf underflows float64 beyond ~38.5 std
 MAX_HISTOGRAM_BINS = 4096
+# Weights must stay where float64 resolves the designer's grid: up to 2^20 cells over 12
+# std (or the domain) are >= 1e-5 std wide, so a scale >= 1e-9 |centre| keeps each cell
+# thousands of float64 spacings wide; 1e12 keeps squares and integrals far from overflow.
+MAX_LOCATION = 1e12
+MIN_SCALE = 1e-12
+MIN_RELATIVE_SCALE = 1e-9
+
+
+def _check_scale(what: str, centre: float, scale: float) -> None:
+    if not (abs(centre) <= MAX_LOCATION and MIN_SCALE <= scale <= 2 * MAX_LOCATION
+            and scale >= MIN_RELATIVE_SCALE * abs(centre)):
+        raise ActdesignError(f"{what} is out of range: need |location| <= {MAX_LOCATION:g} "
+                             f"and a width in [{MIN_SCALE:g}, {2 * MAX_LOCATION:g}] and >= "
+                             f"{MIN_RELATIVE_SCALE:g} x |location|")
 
 
 @dataclass(frozen=True)
@@ -32,6 +46,8 @@ class Normal:
         if not (math.isfinite(self.mean) and math.isfinite(self.std) and self.std > 0):
             raise ActdesignError(f"normal weight needs a finite mean and a std > 0, got "
                                  f"mean={self.mean}, std={self.std}")
+        _check_scale(f"normal weight (mean={self.mean:g}, std={self.std:g})", self.mean,
+                     self.std)
 
     def pdf(self, x):
         z = (np.asarray(x, dtype=float) - self.mean) / self.std
@@ -71,6 +87,8 @@ class Uniform:
     def __post_init__(self):
         if not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high):
             raise ActdesignError(f"bad domain [{self.low}, {self.high}]: need finite L < R")
+        _check_scale(f"domain [{self.low:g}, {self.high:g}]", max(abs(self.low), abs(self.high)),
+                     self.high - self.low)
 
     def pdf(self, x):
         x = np.asarray(x, dtype=float)
@@ -137,6 +155,8 @@ class Histogram:
             raise ActdesignError("histogram edges and counts must be finite")
         if np.any(np.diff(edges) <= 0):
             raise ActdesignError("histogram edges must be strictly ascending")
+        _check_scale(f"histogram on [{edges[0]:g}, {edges[-1]:g}]",
+                     max(abs(edges[0]), abs(edges[-1])), edges[-1] - edges[0])
         if np.any(counts < 0) or counts.sum() <= 0:
             raise ActdesignError("histogram counts must be >= 0 with a positive total")
         object.__setattr__(self, "edges", edges)
@@ -218,12 +238,21 @@ def load_empirical(path: str | Path) -> Histogram:
 
     Files are read with allow_pickle=False: a data file can never run code.
     """
+    import io
+    import zipfile
+
+    from actdesign.files import MAX_DATA_BYTES, read_data
+
     path = Path(path)
+    raw = read_data(path, "empirical", MAX_DATA_BYTES)
     try:
-        data = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise ActdesignError(f"empirical file {str(path)!r} not found") from None
-    except (OSError, ValueError) as exc:
+        if raw.startswith(b"PK"):  # an .npz: a compressed member may unpack without limit
+            with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+                if sum(i.file_size for i in archive.infolist()) > MAX_DATA_BYTES:
+                    raise ActdesignError(f"empirical file {str(path)!r} unpacks to more than "
+                                         f"{MAX_DATA_BYTES // 2**20} MiB")
+        data = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise ActdesignError(f"cannot read empirical file {str(path)!r}: "
                              f"{str(exc).splitlines()[0]}") from None
     if isinstance(data, np.lib.npyio.NpzFile):

@@ -150,7 +150,7 @@ def _rule(r, where: str, base: Path | None) -> Rule:
     if target not in TARGETS:
         raise ActdesignError(f"{where}: target must be one of {', '.join(TARGETS)}, "
                              f"got {target!r}")
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:  # a list or dict is unhashable
         raise ActdesignError(f"{where}: apply must be one of {', '.join(METHODS)}, "
                              f"got {method!r}")
     targets, defaults = METHODS[method]

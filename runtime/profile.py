@@ -193,7 +193,7 @@ def plot(result: Profile, path, per_module: bool = False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from actdesign.files import check_writable, write_atomic
+    from actdesign.files import PNG_SOFTWARE, check_writable, write_atomic
 
     check_writable(path)
     rows = result.rows(per_module)
@@ -209,6 +209,6 @@ def plot(result: Profile, path, per_module: bool = False) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
+    fig.savefig(buffer, format="png", dpi=110, metadata={"Software": PNG_SOFTWARE})
     plt.close(fig)
     write_atomic(path, buffer.getvalue())

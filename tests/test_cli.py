@@ -11,6 +11,10 @@ import pytest
 
 from actdesign.cli import main
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bounds import within  # noqa: E402
+from conftest import synthetic_spec  # noqa: E402
+
 
 def run(capsys, *argv):
     with pytest.raises(SystemExit) as info:
@@ -93,6 +97,39 @@ def test_errors_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypatch, cas
     assert err.startswith("actdesign: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and out == ""
     assert list(tmp_path.iterdir()) == []  # no output, partial or otherwise
+
+
+# Hostile inputs and outputs, each with the cause its one line must name.
+HOSTILE_CASES = {
+    "huge mean": (["fit", "gelu", "--bits", "2", "--mean", "1e300"], "out of range"),
+    "tiny std": (["fit", "gelu", "--bits", "2", "--std", "1e-300"], "out of range"),
+    "huge domain": (["fit", "gelu", "--bits", "2", "--weight", "uniform", "--domain", "1e300",
+                     "2e300"], "out of range"),
+    "folded exponent": (["fit", "(x**64)**64", "--bits", "2"], "after simplification"),
+    "empty out": (["fit", "gelu", "--bits", "2", "--out", ""], "output path is empty"),
+    # A FIFO stands for devices too: before, os.replace put a file in the device's place.
+    "fifo out": (["fit", "gelu", "--bits", "2", "--out", "fifo"], "not a regular file"),
+    "non-module out": (["gen-kernel", "s.json", "--out", "3d-ops.py"], "valid Python module"),
+    "keyword out": (["gen-kernel", "s.json", "--out", "class.py"], "valid Python module"),
+    "show /dev/zero": (["show", "/dev/zero"], "not a regular file"),
+    "empirical /dev/zero": (["fit", "gelu", "--bits", "2", "--weight", "empirical:/dev/zero"],
+                            "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_CASES, ids=list(HOSTILE_CASES))
+def test_hostile_inputs_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    argv, message = HOSTILE_CASES[case]
+    (tmp_path / "s.json").write_text(json.dumps(synthetic_spec("relu", 1)))
+    os.mkfifo(tmp_path / "fifo")
+    with within(10.0, case):  # each once took minutes, or read without end
+        code, out, err = run(capsys, *argv)
+    assert code == 2 and message in err, err
+    assert err.startswith("actdesign: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "s.json"]
+    assert (tmp_path / "fifo").is_fifo()
 
 
 def test_fit_pwl_show_and_gen_kernel(capsys, tmp_path):
@@ -255,3 +292,94 @@ def test_long_fit_shows_a_progress_bar_on_a_terminal(tmp_path):
     piped = subprocess.run([sys.executable, "-c", "from actdesign.cli import main; main()",
                             "fit", "gelu", "--bits", "6"], capture_output=True, timeout=300)
     assert piped.returncode == 0 and piped.stderr == b""
+
+
+def _spec(capsys, path, bits="1"):
+    assert run(capsys, "fit", "relu", "--bits", bits, "--out", str(path))[0] == 0
+    return path
+
+
+def test_hostile_data_files_fail_fast(capsys, tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    spec = json.loads(_spec(capsys, tmp_path / "s.json").read_text())
+    edges = np.linspace(-4, 4, 5002).tolist()
+    spec["objective"]["weight"] = {"type": "empirical", "edges": edges, "counts": [1.0] * 5001}
+    (tmp_path / "bins.json").write_text(json.dumps(spec))
+    (tmp_path / "deep.json").write_text("[" * 100000)
+    cases = [(["show", str(fifo)], "not a regular file"),
+             (["fit", "tanh", "--bits", "2", "--weight", f"empirical:{fifo}"],
+              "not a regular file"),
+             (["show", str(tmp_path / "bins.json")], "1..4096 bins"),
+             (["gen-kernel", str(tmp_path / "bins.json")], "1..4096 bins"),
+             (["show", str(tmp_path / "deep.json")], "not valid JSON")]
+    for argv, message in cases:
+        with within(10.0, " ".join(argv)):  # a FIFO open blocks forever
+            code, out, err = run(capsys, *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_outputs_replace_only_their_own_kind(capsys, tmp_path):
+    spec_file = _spec(capsys, tmp_path / "s.json")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine")
+    link = tmp_path / "link.json"
+    link.symlink_to(precious)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused = [(["fit", "relu", "--bits", "1", "--out", str(precious)], "pass --force"),
+               (["fit", "relu", "--bits", "1", "--out", str(link)], "symbolic link"),
+               (["fit", "relu", "--bits", "1", "--out", str(spec_file.parent)], "directory"),
+               (["fit", "relu", "--bits", "1", "--out", str(fifo)], "not a regular file"),
+               (["show", str(spec_file), "--plot", str(precious)], "pass --force"),
+               (["gen-kernel", str(spec_file), "--out", str(tmp_path / "link.py")], ""),
+               (["allocate", str(spec_file), "--avg-bits", "2", "--out", str(precious)],
+                "pass --force")]
+    (tmp_path / "link.py").symlink_to(precious)
+    for argv, message in refused:
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+    assert precious.read_text() == "mine" and link.is_symlink() and fifo.is_fifo()
+    # Our own outputs of the same kind are replaced freely.
+    assert run(capsys, "fit", "relu", "--bits", "2", "--out", str(spec_file))[0] == 0
+    plot = tmp_path / "p.png"
+    for _ in range(2):
+        assert run(capsys, "show", str(spec_file), "--plot", str(plot))[0] == 0
+    # With --force, the link itself is replaced, never its target.
+    assert run(capsys, "fit", "relu", "--bits", "1", "--out", str(link), "--force")[0] == 0
+    assert not link.is_symlink() and precious.read_text() == "mine"
+    assert json.loads(link.read_text())["bits"] == 1
+    assert run(capsys, "fit", "relu", "--bits", "1", "--out", str(precious), "--force")[0] == 0
+    assert json.loads(precious.read_text())["bits"] == 1
+
+
+def test_a_hand_edited_module_needs_force(capsys, tmp_path):
+    spec_file = _spec(capsys, tmp_path / "s.json")
+    module = tmp_path / "s_ops.py"
+    assert run(capsys, "gen-kernel", str(spec_file))[0] == 0
+    assert run(capsys, "gen-kernel", str(spec_file))[0] == 0  # unedited: regenerated
+    module.write_text(module.read_text() + "# tuned by hand\n")
+    code, _, err = run(capsys, "gen-kernel", str(spec_file))
+    assert code == 2 and "not an actdesign module" in err and "--force" in err
+    assert module.read_text().endswith("# tuned by hand\n")
+    assert run(capsys, "gen-kernel", str(spec_file), "--force")[0] == 0
+    assert not module.read_text().endswith("# tuned by hand\n")
+
+
+def test_ctrl_c_exits_130(capsys, monkeypatch):
+    import actdesign.activation
+
+    def interrupted(text):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(actdesign.activation, "resolve", interrupted)
+    code, out, err = run(capsys, "fit", "gelu", "--bits", "2")
+    assert (code, out, err) == (130, "", "actdesign: interrupted\n")
+
+
+def test_pwl_asymptotes_are_bounded(capsys):
+    # sympy's limit of x + tanh(tanh(tanh(tanh(tanh(x))))) never returns.
+    text = "x + " + "tanh(" * 5 + "x" + ")" * 5
+    with within(20.0, "pwl asymptotes"):  # 5 s a side at most
+        code, out, err = run(capsys, "fit", text, "--kind", "pwl", "--bits", "2")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "asymptotes" in err, err

@@ -1,11 +1,17 @@
 """The expression language and the built-in registry."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import scipy.special as sc
 
 from actdesign import ActdesignError
 from actdesign.activation import BUILTINS, builtin_names, resolve
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bounds import within  # noqa: E402
 
 _SELU_SCALE, _SELU_ALPHA = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
 
@@ -111,3 +117,52 @@ def test_unsafe_or_bad_expressions_are_refused(text):
 def test_unknown_name_suggests_list():
     with pytest.raises(ActdesignError, match="actdesign list"):
         resolve("gelu_fancy")
+
+
+# Each took from 95 s to hours before the tree was checked after every step: abs(a) holds
+# `a` three times, and sympy folds (x**64)**64 into x**4096. 3 s is far above the < 0.3 s they
+# take now, leaving room for shared CPUs.
+HOSTILE = {
+    "abs nested 14 deep": "abs(" * 14 + "x" + ")" * 14,
+    "power folded past the limit": "(x**64)**64",
+    "power multiplied past the limit": "x**64*x**64",
+    "folded power in a condition": "where((x**64)**64 > 2, x, 0)",
+    "root of a power": "sqrt(x**64)**64",
+    "functions nested 30 deep": "sin(" * 30 + "x" + ")" * 30,
+    "constant beyond float64": "x*" + "*".join(["9007199254740992"] * 40),
+    "constant tower": "x*exp(exp(exp(exp(exp(exp(exp(exp(2))))))))",
+    "constant compared with softplus": "where(-100 < softplus(2), x, 0)",
+    "tanh nested over sqrt": "tanh(" * 10 + "sqrt(x)" + ")" * 10,
+    "derivative sympy cannot print": "log1p((x*x)**-0.5)",
+    "infinite derivative": "(-relu(min(sin(x * 64), -x)))**x",
+}
+
+
+@pytest.mark.parametrize("text", HOSTILE.values(), ids=list(HOSTILE))
+def test_hostile_expressions_are_refused_quickly(text):
+    with within(3.0, text[:40]), pytest.raises(ActdesignError) as info:
+        resolve(text)
+    assert "\n" not in str(info.value)
+
+
+def test_branches_in_comparisons_are_quick_and_keep_their_meaning():
+    text = ("abs(abs(abs(sinh(x)) - 1) - 0.5) + where(abs(abs(x) - 1) > 0.5, x, 0)"
+            " + max(abs(x - 1), 0.5)")
+    with within(1.0, "nested branches"):  # 2 s before: sympy solved each condition as sets
+        act = resolve(text)
+    xs = np.linspace(-3, 3, 601)
+    expected = (np.abs(np.abs(np.abs(np.sinh(xs)) - 1) - 0.5)
+                + np.where(np.abs(np.abs(xs) - 1) > 0.5, xs, 0) + np.maximum(np.abs(xs - 1), 0.5))
+    assert np.array_equal(act.f(xs), expected)
+    points = act.breakpoints(-3, 3)  # every kink; abs's own switch at 0 may come too
+    assert all(np.isclose(points, p, rtol=0, atol=1e-12).any() for p in (-1, 0.5, 1, 1.5))
+
+
+def test_conditions_of_high_degree_are_solved_numerically():
+    act = resolve("where(x**64*(x - 1)**64 > 0.5, x, 0)")  # degree 128: no companion matrix
+    with within(3.0):
+        points = act.breakpoints(-3.0, 3.0)
+    g = points**64 * (points - 1) ** 64
+    # Bisection ends within an ulp of each root; g's relative slope there is at most ~1300
+    # (at 0.95: 64 + 64 x / (x - 1)), so g is 0.5 within ~1300 eps plus its own roundings.
+    assert points.size == 2 and np.allclose(g, 0.5, rtol=1e-12)

@@ -118,3 +118,25 @@ def test_bad_names_and_files(tmp_path):
     (tmp_path / "list.json").write_text("[]")
     with pytest.raises(ActdesignError, match="must be a JSON object"):
         P.load(str(tmp_path / "list.json"))
+
+
+def test_hostile_policy_files_are_one_line(tmp_path, make_spec):
+    big = "1" + "0" * 400
+    inline = re.sub(r'"levels": \[[^,]+', '"levels": [' + big, json.dumps(make_spec("gelu", 2)))
+    hostile = {
+        "huge ratio": '{"rules": [{"target": "linear", "apply": "backrazor", "ratio": '
+                      + big + "}]}",
+        "huge level inline": '{"rules": [{"target": "activation", "apply": "fewbit", '
+                             '"bits": 2, "spec": ' + inline + "}]}",
+        "deep nesting": "[" * 100000,
+    }
+    for name, text in hostile.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.json"
+        path.write_text(text)
+        with pytest.raises(ActdesignError) as info:
+            P.load(str(path))
+        assert str(info.value).startswith(str(path)) and "\n" not in str(info.value), name
+    spec = make_spec("gelu", 2)
+    spec["levels"][0] = 10**400  # an inline spec given as a dict
+    with pytest.raises(ActdesignError, match="must be finite"):
+        P.load({"rules": [{"target": "activation", "apply": "fewbit", "bits": 2, "spec": spec}]})

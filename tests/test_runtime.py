@@ -105,3 +105,19 @@ def test_the_torch_path_works_without_triton(make_spec, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, check=True, env=env).stdout
     assert out.strip() == "ok"
+
+
+def test_load_refuses_what_show_refuses(make_spec, tmp_path):
+    from actdesign.errors import ActdesignError
+
+    data = make_spec("gelu", 2)
+    edges = [i / 1000 for i in range(5002)]
+    data["objective"]["weight"] = {"type": "empirical", "edges": edges, "counts": [1.0] * 5001}
+    with pytest.raises(ActdesignError, match="1..4096 bins"):
+        runtime.load(data)
+    data = make_spec("gelu", 2) | {"activation": {"expr": "(x**64)**64"}}
+    with pytest.raises(ActdesignError, match="after simplification"):
+        runtime.load(data)
+    (tmp_path / "deep.json").write_text("[" * 100000)
+    with pytest.raises(ActdesignError, match="not valid JSON"):
+        runtime.load(tmp_path / "deep.json")

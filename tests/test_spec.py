@@ -3,6 +3,8 @@
 import copy
 import json
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,9 @@ import pytest
 from actdesign import ActdesignError, spec
 from actdesign.activation import resolve
 from actdesign.designer import Histogram, Uniform, fit_stepwise
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bounds import within  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +131,48 @@ def test_unwritable_destination(tmp_path, gelu3):
         spec.save(gelu3, tmp_path / "missing" / "s.json")
     with pytest.raises(ActdesignError, match="directory"):
         spec.save(gelu3, tmp_path)
+
+
+def test_hostile_json_is_one_line(tmp_path, gelu3):
+    big = "1" + "0" * 400
+    text = gelu3.to_json()
+    hostile = {
+        "400-digit level": text.replace(repr(gelu3.levels[0]), big, 1),
+        "400-digit bits": text.replace('"bits": 3', f'"bits": {big}', 1),
+        "deep nesting": "[" * 100000,
+        "deep nesting, closed": "[" * 500 + "]" * 500,
+    }
+    for name, bad in hostile.items():
+        with pytest.raises(ActdesignError) as info:
+            spec.loads(bad, "bad.json")
+        assert str(info.value).startswith("bad.json:") and "\n" not in str(info.value), name
+    data = gelu3.to_dict()
+    data["levels"][0] = 10**400  # a Python int, given as a dict
+    with pytest.raises(ActdesignError, match="levels.0. must be finite"):
+        spec.validate(data, "d")
+
+
+def test_weights_are_bounded_where_a_spec_is_read(gelu3):
+    data = gelu3.to_dict()
+    edges = np.linspace(-4, 4, 5002).tolist()
+    data["objective"]["weight"] = {"type": "empirical", "edges": edges, "counts": [1.0] * 5001}
+    with pytest.raises(ActdesignError, match="1..4096 bins"):
+        spec.validate(data, "s")
+    for mean, std in ((1e300, 1.0), (0.0, 1e-300), (1e9, 1e-3)):
+        data["objective"]["weight"] = {"type": "normal", "mean": mean, "std": std}
+        with pytest.raises(ActdesignError, match="out of range"):
+            spec.validate(data, "s")
+
+
+def test_only_regular_files_are_read(tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    # Opening a FIFO without a writer blocks forever; /dev/zero never ends.
+    for path in (fifo, "/dev/zero"):
+        with within(3.0, str(path)), pytest.raises(ActdesignError, match="not a regular file"):
+            spec.load(path)
+    big = tmp_path / "big.json"
+    with open(big, "wb") as fh:
+        fh.truncate(16 * 2**20 + 1)  # sparse: no disk used
+    with pytest.raises(ActdesignError, match="larger than 16 MiB"):
+        spec.load(big)
