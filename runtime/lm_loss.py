@@ -209,7 +209,8 @@ def plan_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None)
         if not abs(got.item() - expected.item()) <= tolerance:  # NaN fails too
             raise ActdesignError(f"on a probe batch the fused loss ({got.item():.6g}) differs "
                                  f"from the model's own ({expected.item():.6g}): its forward "
-                                 "changes the loss after loss_function computes it")
+                                 "computes its loss other than by loss_function from the "
+                                 "head's logits")
     name = next(n for n, m in model.named_modules() if m is head)
     parent, _, attr = name.rpartition(".")
     fused = FusedLossHead.from_module(head, chunk_size=chunk_size)
