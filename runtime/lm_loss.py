@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -139,8 +140,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 class FusedLossHead(LeanLinear):
     """A causal LM's output projection, holding the same weight. Called normally it returns
     the logits, as the Linear it replaces did (exact, and lean: it reads a final MS norm's x̂);
-    while the model's fused-loss forward runs it returns the hidden states, from which the loss
-    is computed without logits."""
+    while the model's fused-loss forward runs it returns the hidden states in their place (a
+    _DeferredLogits), from which the loss is computed without logits."""
 
     def __init__(self, in_features, out_features, bias=True, *, chunk_size=None, device=None,
                  dtype=None):
@@ -152,11 +153,13 @@ class FusedLossHead(LeanLinear):
         """The logits; the hidden states while deferred; with `loss_inputs` (the keywords
         of fused_linear_cross_entropy but the chunk size), the fused loss of the hidden
         states. The loss is computed in this module's own call, so that a wrapper (FSDP2
-        sharding the head as its own unit) has the weight in place, forward and backward."""
+        sharding the head as its own unit) has the weight in place, forward and backward;
+        there the loss is the unit's one tensor output, a fresh one (FSDP2 warns of a view),
+        and the deferred call returns no tensor."""
         if loss_inputs is not None:
             return fused_linear_cross_entropy(hidden, self.weight, chunk_size=self.chunk_size,
                                               **loss_inputs)
-        return hidden if self.deferred else super().forward(hidden)
+        return _DeferredLogits(hidden) if self.deferred else super().forward(hidden)
 
     @contextlib.contextmanager
     def deferring(self):
@@ -175,9 +178,11 @@ def plan_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None)
     loss, the forward given `labels`, with fused_linear_cross_entropy). Without labels it
     behaves exactly as before. Nothing is changed here. Refused when the loss cannot be
     reproduced: a head with a bias, logit soft-capping in the config, or (with `probe`, a dict
-    of inputs with labels) a probe loss that differs from the model's own. The forward's own
-    code runs unchanged, with the head returning the hidden states, so a scale the forward
-    applies to the logits is applied to the hidden states instead: the same loss."""
+    of inputs with labels) a probe the fused forward refuses or whose loss differs from the
+    model's own. The forward's own code runs unchanged, labels included, with the head
+    returning the hidden states in place of the logits and `loss_function` computing the fused
+    loss from them: what the forward adds to the loss (a MoE router's auxiliary loss, say),
+    it adds itself, and a scale it applies to the logits goes to the hidden states."""
     if not is_causal_lm(model):
         raise ActdesignError("the fused loss needs a transformers causal LM (*ForCausalLM, "
                              "*LMHeadModel)")
@@ -203,7 +208,8 @@ def plan_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=None)
         if not abs(got.item() - expected.item()) <= tolerance:  # NaN fails too
             raise ActdesignError(f"on a probe batch the fused loss ({got.item():.6g}) differs "
                                  f"from the model's own ({expected.item():.6g}): its forward "
-                                 "transforms the logits after the head")
+                                 "computes its loss other than by loss_function from the "
+                                 "head's logits")
     name = next(n for n, m in model.named_modules() if m is head)
     parent, _, attr = name.rpartition(".")
     fused = FusedLossHead.from_module(head, chunk_size=chunk_size)
@@ -222,8 +228,9 @@ def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=Non
 
 @contextlib.contextmanager
 def _returning_input(head):
-    """The head returns its input while open, through a hook removed after."""
-    handle = head.register_forward_hook(lambda module, args, output: args[0])
+    """The head returns its input as deferred logits while open, through a hook removed
+    after."""
+    handle = head.register_forward_hook(lambda module, args, output: _DeferredLogits(args[0]))
     try:
         yield
     finally:
@@ -238,7 +245,7 @@ def _probe_losses(model, head, chunk_size, probe):
 
     with torch.no_grad():
         expected, got = same_draws(model, lambda: model(**probe), lambda: _fused_call(
-            model.forward, lambda: _returning_input(head), loss_of, (), probe))
+            model, model.forward, lambda: _returning_input(head), loss_of, (), probe))
     return expected.loss, got.loss
 
 
@@ -260,8 +267,8 @@ def _fused_forward(forward):
                                      "wrapped after compress (a PEFT adapter on it), and the "
                                      "fused loss reads the head's weight; wrap the model first "
                                      "(get_peft_model), then compress")
-            return _fused_call(self.unfused_forward, head.deferring, _head_loss(head), args,
-                               kwargs)
+            return _fused_call(self, self.unfused_forward, head.deferring, _head_loss(head),
+                               args, kwargs)
 
         _FORWARDS[forward] = fused
     return _FORWARDS[forward]
@@ -273,35 +280,127 @@ def _head_loss(head):
     return loss_of
 
 
-def _fused_call(original, deferring, loss_of, args, kwargs):
-    """`original(*args, **kwargs)` with its loss fused, given labels: while `deferring()` is
-    open the head returns the hidden states, and `loss_of(hidden, labels=..., ...)` gives the
-    loss. The output is the model's own with the loss first and no logits."""
+def _fused_call(model, original, deferring, loss_of, args, kwargs):
+    """`original(*args, **kwargs)`, the forward of `model`, with its loss fused, given labels:
+    while `deferring()` is open the head returns _DeferredLogits, and the model's
+    `loss_function` is one that gives `loss_of(hidden, labels=..., ...)` for them. Whatever the
+    forward adds to that loss (router auxiliary losses) it adds as it always does. The output
+    is the model's own with no logits."""
     signature = inspect.signature(original)
     bound = signature.bind(*args, **kwargs)
     extra = bound.arguments.get(_var_keyword(signature), {})
-    where = bound.arguments if "labels" in bound.arguments else extra
-    labels, shift_labels = where.get("labels"), extra.get("shift_labels")
-    if labels is None and shift_labels is None:
+    labels = bound.arguments.get("labels", extra.get("labels"))
+    if labels is None:  # no loss, so the logits are what is wanted: the model as it was
         return original(*args, **kwargs)
-    if "labels" in where:
-        where["labels"] = None
     keep = bound.arguments.get("logits_to_keep", 0)
     if not (isinstance(keep, int) and keep == 0):
         raise ActdesignError("the fused loss covers every position: logits_to_keep must "
                              "be 0 when labels are given")
-    with deferring():
-        out = original(*bound.args, **bound.kwargs)
-    hidden = out[0] if isinstance(out, tuple) else out.logits
-    loss = loss_of(hidden, labels=labels if shift_labels is None else None,
-                   shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
-                   ignore_index=extra.get("ignore_index", -100))
-    if isinstance(out, tuple):  # as transformers orders it, (loss, logits, *the rest)
-        return (loss, None, *out[1:])
-    rest = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-    return type(out)(loss=loss, logits=None, **rest)  # keys: loss first, no logits
+    with deferring(), _loss_function(model, _causal_lm_loss(loss_of)):
+        out = original(*args, **kwargs)
+    if isinstance(out, tuple):  # as transformers orders it: the loss first, then the rest
+        return tuple(None if isinstance(v, _DeferredLogits) else v for v in out)
+    return type(out)(**{k: v for k, v in out.items() if not isinstance(v, _DeferredLogits)})
 
 
 def _var_keyword(signature) -> str | None:
     return next((p.name for p in signature.parameters.values()
                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+
+_KEEP_THE_HEAD = ('; compress without fusing the loss (a policy rule {"target": "head", '
+                  '"apply": "keep"} before llm\'s)')
+
+
+def _refuse(why):
+    raise ActdesignError(f"the fused loss cannot follow this forward: {why}, and the fused "
+                         f"loss never computes the logits{_KEEP_THE_HEAD}")
+
+
+class _DeferredLogits:
+    """What the head returns while the loss is fused: its input, the hidden states, in place
+    of the logits, for the model's forward to pass to its loss_function. A scale of the
+    logits by a number (Granite, Cohere), `.float()` and `.contiguous()` are followed on the
+    hidden states (the same loss); any other use of the logits is refused by name. Not a
+    tensor: FSDP2 finds no view to warn of in what the head returns."""
+
+    __slots__ = ("hidden",)
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+    def _scaled(self, op, other):
+        if not (isinstance(other, (int, float)) or (torch.is_tensor(other) and other.dim() == 0)):
+            _refuse(f"it applies {op.__name__} with a {type(other).__name__} to the logits")
+        return _DeferredLogits(op(self.hidden, other))
+
+    def __mul__(self, other):
+        return self._scaled(operator.mul, other)
+
+    def __rmul__(self, other):
+        return self._scaled(operator.mul, other)
+
+    def __truediv__(self, other):
+        return self._scaled(operator.truediv, other)
+
+    def float(self):  # the cross-entropy is float32 (float64 for float64 models) anyway
+        return self
+
+    def contiguous(self):
+        return self
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # Python's protocols (copy, pickle) look for these
+            raise AttributeError(name)
+        _refuse(f"it uses logits.{name}")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        _refuse(f"it applies {getattr(func, '__name__', func)} to the logits")
+
+
+def _refused_operator(name):
+    def refused(self, *args):
+        _refuse(f"it applies {name} to the logits")
+    return refused
+
+
+for _name in ("add", "radd", "sub", "rsub", "neg", "pow", "rtruediv", "matmul", "rmatmul",
+              "getitem", "setitem", "iter", "len", "lt", "le", "gt", "ge", "bool", "float"):
+    setattr(_DeferredLogits, f"__{_name}__", _refused_operator(f"__{_name}__"))
+
+
+def _causal_lm_loss(loss_of):
+    """In place of transformers' ForCausalLMLoss, with its signature: the fused loss of the
+    deferred logits."""
+    def loss_function(logits, labels=None, vocab_size=None, num_items_in_batch=None,
+                      ignore_index=-100, shift_labels=None, **kwargs):
+        if not isinstance(logits, _DeferredLogits):
+            _refuse("it passes loss_function a tensor other than the head's logits")
+        return loss_of(logits.hidden, labels=labels if shift_labels is None else None,
+                       shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                       ignore_index=ignore_index)
+    return loss_function
+
+
+@contextlib.contextmanager
+def _loss_function(model, loss_function):
+    """`model.loss_function` is `loss_function` while open, where the model's own is
+    transformers' causal-LM loss (the one the fused loss computes)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    own = model.loss_function
+    if own is not ForCausalLMLoss:
+        raise ActdesignError(f"its loss_function is {getattr(own, '__name__', own)}, not "
+                             "transformers' ForCausalLMLoss, the one loss the fused loss "
+                             f"computes{_KEEP_THE_HEAD}")
+    missing = object()
+    before = model.__dict__.get("_loss_function", missing)
+    model.__dict__["_loss_function"] = loss_function  # what transformers' property returns
+    try:
+        yield
+    finally:
+        if before is missing:
+            del model.__dict__["_loss_function"]
+        else:
+            model.__dict__["_loss_function"] = before

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,7 +34,7 @@ BATCH, TOKENS, WIDTH, HIDDEN = 8, 3, 16, 32
 ROUNDOFF = 1e-12
 DDP_CASES = ("fewbit3", "regelu2", "msnorm", "backrazor90", "actnn2")
 FSDP_CASE = "fewbit3+msnorm+backrazor90"  # every deterministic kind of module
-LM_CASES = [("fsdp-head", "llm"), ("wrapped", "llm"), ("fsdp-lora", "llm")]
+LM_CASES = [("fsdp-head", "llm"), ("wrapped", "llm"), ("fsdp-lora", "llm"), ("fsdp-moe", "llm")]
 # What each policy must replace, so that a no-op compress cannot pass.
 REPLACED = {"fewbit3": {"act"}, "regelu2": {"act"}, "msnorm": {"norm", "fc1"},
             "backrazor90": {"fc1", "fc2"}, "actnn2": {"fc1", "fc2"},
@@ -96,8 +97,23 @@ def make_lm(lora=False):
     return model, report, ids
 
 
-def lm_step(model, ids):
-    loss = model(input_ids=ids, labels=ids).loss  # every rank counts the same tokens
+def make_moe(compressed=True):
+    """(a tiny Mixtral, float64, its router's load-balancing loss at coefficient 0.5,
+    compressed with `llm` unless not `compressed`; its token batch)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from lms import architecture
+
+    model = architecture("Mixtral", router_aux_loss_coef=0.5)
+    model.set_experts_implementation("eager")  # grouped_mm has no float64
+    model = model.double().train()
+    ids = torch.randint(1, 128, (BATCH, 6), generator=torch.Generator().manual_seed(3))
+    if compressed:
+        compress(model, "llm", example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
+    return model, ids
+
+
+def lm_step(model, ids, **kwargs):
+    loss = model(input_ids=ids, labels=ids, **kwargs).loss  # every rank counts the same tokens
     loss.backward()
     return loss.detach()
 
@@ -123,7 +139,10 @@ def run_lm_case(rank, mode):
     from actdesign.errors import ActdesignError
 
     local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-    model, _, ids = make_lm(lora=mode == "fsdp-lora")
+    if mode == "fsdp-moe":
+        model, ids = make_moe()
+    else:
+        model, _, ids = make_lm(lora=mode == "fsdp-lora")
     if mode == "wrapped":
         refused = []
         for wrap in (DistributedDataParallel, fully_shard):
@@ -141,11 +160,14 @@ def run_lm_case(rank, mode):
         fully_shard(layer, mesh=mesh)
     fully_shard(lm.lm_head, mesh=mesh)  # the head its own unit, as some frameworks wrap it
     fully_shard(model, mesh=mesh)
-    loss = lm_step(model, ids[local])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = lm_step(model, ids[local], **({"output_router_logits": True}
+                                             if mode == "fsdp-moe" else {}))
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()
              if p.grad is not None}
     dist.all_reduce(loss)
-    return {"loss": loss / WORLD, "grads": grads}
+    return {"loss": loss / WORLD, "grads": grads, "warnings": [str(w.message) for w in caught]}
 
 
 def run_case(rank, mode, policy):
@@ -212,6 +234,14 @@ def reference():
         loss = lm_step(model, ids)
         out["llm+lora" if lora else "llm"] = loss, {
             name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    # The MoE model, compressed and untouched, on each rank's half: the load-balancing loss is
+    # not a mean over the tokens, so each rank adds its own half's; the gradients average.
+    for compressed in (True, False):
+        model, ids = make_moe(compressed)
+        halves = [lm_step(model, ids[r * BATCH // WORLD:(r + 1) * BATCH // WORLD],
+                          output_router_logits=True).double() for r in range(WORLD)]
+        out["moe" if compressed else "moe untouched"] = sum(halves) / WORLD, {
+            name: p.grad / WORLD for name, p in model.named_parameters() if p.grad is not None}
     return out
 
 
@@ -268,6 +298,31 @@ def test_fsdp2_matches_one_process(reference, ranks):
 
 def test_fsdp2_with_the_head_its_own_unit_matches_one_process(reference, ranks):
     assert_matches(results_of(ranks, ("fsdp-head", "llm")), *reference["llm"])
+
+
+def test_fsdp2_head_unit_returns_no_view(ranks):
+    """The head as its own FSDP2 unit returns no view (FSDP2 warns that an in-place op on one
+    drops its pre-backward hook): a MoE forward adds its router loss in place to the loss."""
+    for mode in ("fsdp-head", "fsdp-moe"):
+        for run in results_of(ranks, (mode, "llm")):
+            assert not [w for w in run["warnings"] if "view tensor" in w], (mode, run["warnings"])
+
+
+def test_fsdp2_on_a_moe_model_adds_each_ranks_router_loss(reference, ranks):
+    """Compressed, under FSDP2, the loss and gradients of the untouched model on each rank's
+    half, the router's load-balancing loss included: to round-off of the compressed model in one
+    process, which is the untouched one but for its cross-entropy, float32 even in a float64
+    model (logits rounded to 2^-24 and a float32 softmax: seen 4 such roundings of the
+    largest gradient, 2^-18 allows 64)."""
+    loss, grads = reference["moe"]
+    assert_matches(results_of(ranks, ("fsdp-moe", "llm")), loss, grads)
+    untouched, expected = reference["moe untouched"]
+    assert any(".gate." in n for n in expected)  # the router learns
+    torch.testing.assert_close(loss, untouched, rtol=2.0**-18, atol=0)
+    assert grads.keys() == expected.keys()
+    for name, g in expected.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=2.0**-18 * g.abs().max().item(),
+                                   msg=name)
 
 
 def test_fsdp2_on_a_compressed_peft_lora_model_matches_one_process(reference, ranks):

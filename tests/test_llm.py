@@ -272,13 +272,13 @@ def test_attached_loss_under_autocast_is_as_accurate_as_eager():
         assert (grads1[n].double() - x).norm() <= 2 * (grads0[n].double() - x).norm(), n
 
 
-def scaled(forward, **kwargs):
-    """A forward scaling the logits after the head (Cohere's logit_scale, say)."""
-    out = forward(**kwargs)
-    out.logits = out.logits * 0.5
-    if out.loss is not None:
-        out.loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1),
-                                   kwargs["labels"][:, 1:].flatten())
+def scaled(model, labels=None, **kwargs):
+    """A forward scaling the logits after the head (Cohere's logit_scale, say), its loss
+    computed by loss_function, as transformers' forwards do."""
+    out = type(model).forward(model, **kwargs)
+    out.logits = 0.5 * (out.logits / 2.0)
+    if labels is not None:
+        out.loss = model.loss_function(out.logits, labels, model.config.vocab_size)
     return out
 
 
@@ -303,12 +303,21 @@ def test_heads_the_fused_loss_cannot_reproduce_are_refused_unchanged():
         return out
 
     model.forward = types.MethodType(capped, model)
-    with pytest.raises(ActdesignError, match="differs from the model's own"):
+    with pytest.raises(ActdesignError, match="cannot follow this forward: it applies tanh to "
+                                             "the logits"):
         attach_fused_loss(model, probe=models.example_batch(model, 2, 8))
     assert type(model.lm_head) is nn.Linear and model.forward.__func__ is capped  # unchanged
     # a scale commutes with the head
-    model.forward = types.MethodType(lambda self, **kwargs: scaled(own, **kwargs), model)
+    model.forward = types.MethodType(scaled, model)
+    ref = copy.deepcopy(model)
     attach_fused_loss(model, probe=models.example_batch(model, 2, 8))
+    inputs = models.example_batch(model, 2, 12)
+    out0, grads0 = run_model(ref, inputs)
+    out1, grads1 = run_model(model, inputs)
+    assert out1.logits is None and len(grads0) == len(list(model.parameters()))
+    torch.testing.assert_close(out1.loss, out0.loss, rtol=2e-6, atol=0)
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-4, atol=1e-6, msg=n)
     other = causal_lm()
     other.forward = lambda **kwargs: own(**kwargs)  # not a method of the model: refused
     with pytest.raises(ActdesignError, match="already replaced"):
