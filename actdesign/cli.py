@@ -212,15 +212,28 @@ def allocate(stats_file, avg_bits, out, force):
 
 
 _MODEL_HELP = ("A built-in transformers config (gpt2, llama, qwen2, bert, vit, or their -tiny "
-               "variants; random weights, nothing downloaded) or package.module:function / "
-               "file.py:function returning a model, or (model, make_batch(batch, seq)).")
+               "variants); a local Hugging Face model directory or its config.json; "
+               "hf:<repo id> (its config from the local Hub cache); all these build the "
+               "architecture with random weights, nothing downloaded. Or "
+               "package.module:function / file.py:function (the current directory "
+               "importable) returning a model, or (model, make_batch(batch, seq)).")
+
+
+class _PresetsHelp(click.Option):
+    """An option whose help ends with the policy presets, read from the policy module only
+    when the help is shown (it imports torch)."""
+
+    def get_help_record(self, ctx):
+        from .runtime.policy import PRESETS
+
+        self.help = (f"A preset ({', '.join(PRESETS)}), presets joined by '+', or a policy "
+                     ".json file.")
+        return super().get_help_record(ctx)
 
 
 @cli.command()
 @click.option("--model", "-m", "model_name", required=True, help=_MODEL_HELP)
-@click.option("--policy", "-p", default="fewbit3", show_default=True,
-              help="A preset (none, fewbit3, regelu2, msnorm, actnn2, backrazor90, pooled2), "
-                   "presets joined by '+', or a policy .json file.")
+@click.option("--policy", "-p", default="fewbit3", show_default=True, cls=_PresetsHelp)
 @click.option("--batch", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
               help="Sequence length (text models).")
@@ -230,7 +243,8 @@ _MODEL_HELP = ("A built-in transformers config (gpt2, llama, qwen2, bert, vit, o
                                  "bfloat16 autocast); bf16 (bfloat16 weights and inputs) "
                                  "[bf16-autocast on CUDA, fp32 on CPU].")
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
-              help="Timed steps per model (after one warm-up step); the median is reported.")
+              help="Timed steps per model (after one warm-up step); the median and the "
+                   "range are reported.")
 @click.option("--per-module", is_flag=True, help="One row per module, not per layer pattern.")
 @click.option("--plot", type=click.Path(dir_okay=False), metavar="PNG",
               help="Also draw the saved bytes by module as a bar chart.")
@@ -240,7 +254,8 @@ _MODEL_HELP = ("A built-in transformers config (gpt2, llama, qwen2, bert, vit, o
 def profile(model_name, policy, batch, seq, device, precision, repeats, per_module, plot,
             json_out, force):
     """One training step of a model, baseline and compressed with POLICY: bytes saved for the
-    backward by module, peak memory and step time."""
+    backward by module, peak memory and step time. Progress goes to stderr; --json records
+    exact bytes."""
     import json
 
     import torch
@@ -254,7 +269,8 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
     _check_out(json_out if json_out != "-" else None, "json", force)
     load_policy(policy)  # a bad policy fails before the model is built
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    result = run(model_name, policy, batch, seq, device, repeats, precision=precision)
+    result = run(model_name, policy, batch, seq, device, repeats, precision=precision,
+                 progress=lambda message: click.echo(message, err=True))
     text = json.dumps(result.to_dict(), indent=1)
     if json_out == "-":
         click.echo(text)

@@ -2,7 +2,9 @@
 
 Every tensor autograd saves passes a saved-tensors pack hook; forward hooks keep a stack of
 the modules running, so each storage is charged to the innermost module running when it was
-first saved. Parameters and buffers are not activations and are left out.
+first saved. Parameters and buffers are not activations and are left out; copies made from
+them alone (autocast's bfloat16 weights) are counted apart, as `constant`: they are made once
+per step, whatever the batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 class SavedBytes:
     by_module: dict[str, int] = field(default_factory=dict)  # module name ("" the model)
     storages: dict[int, int] = field(default_factory=dict)  # storage pointer -> bytes
+    constant: int = 0  # bytes of weight copies, in storages but in no module's count
 
     @property
     def total(self) -> int:
@@ -36,6 +39,22 @@ def hooked(module: torch.nn.Module) -> bool:
     return any(not getattr(hook, "observes_only", False) for hook in hooks)
 
 
+# Autograd nodes that copy or view their one input: a saved tensor reached from a parameter
+# through these alone is a weight copy, the same for any batch.
+_COPY_NODES = ("ToCopyBackward", "TBackward", "TransposeBackward", "PermuteBackward",
+               "ViewBackward", "UnsafeViewBackward", "ExpandBackward", "UnsqueezeBackward",
+               "SqueezeBackward", "AliasBackward", "CloneBackward", "ReshapeAliasBackward")
+
+
+def weight_copy(t: torch.Tensor) -> bool:
+    """Whether `t` was computed from one trainable parameter by copies and views alone."""
+    node = t.grad_fn
+    while node is not None and type(node).__name__.rstrip("0123456789") in _COPY_NODES:
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        node = inputs[0] if len(inputs) == 1 else None
+    return node is not None and node is not t.grad_fn and hasattr(node, "variable")
+
+
 def account(model: torch.nn.Module, run) -> tuple[SavedBytes, object]:
     """(the bytes `run()`'s forward saves for backward, by module; run()'s result)."""
     names = {m: n for n, m in model.named_modules()}
@@ -49,7 +68,10 @@ def account(model: torch.nn.Module, run) -> tuple[SavedBytes, object]:
         ptr = storage.data_ptr()
         if ptr not in skip and ptr not in saved.storages and storage.nbytes():
             saved.storages[ptr] = storage.nbytes()
-            saved.by_module[stack[-1]] = saved.by_module.get(stack[-1], 0) + storage.nbytes()
+            if weight_copy(t):
+                saved.constant += storage.nbytes()
+            else:
+                saved.by_module[stack[-1]] = saved.by_module.get(stack[-1], 0) + storage.nbytes()
         return t
 
     @observer

@@ -1,16 +1,24 @@
-"""Models to profile: built-in transformers configs (random weights, nothing downloaded), or the
-user's own builder; and random inputs of a given shape for either.
+"""Models to profile: transformers architectures from a config (random weights, nothing
+downloaded), or the user's own builder; and random inputs of a given shape for either.
 
-A user's builder is `package.module:function` or `path/to/file.py:function`. It is called with
-no arguments and returns a model, or a (model, make_batch) pair where `make_batch(batch, seq)`
-returns the model's inputs: a tensor, a tuple of positional arguments or a dict of keyword
-arguments. transformers models need no make_batch: their inputs follow from the config.
+A model name is one of:
+- a built-in config: `gpt2`, `llama`, ... (BUILTIN);
+- a local Hugging Face model directory, or its `config.json`: the architecture it names, built
+  from the config alone (any weights there are not loaded);
+- `hf:<repo id>`: the config of a Hub model, from the local Hub cache only;
+- `package.module:function` or `path/to/file.py:function`: a builder, called with no arguments,
+  returning a model or a (model, make_batch) pair where `make_batch(batch, seq)` returns the
+  model's inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments.
+  The current directory is importable, as with `python -m`.
+transformers models need no make_batch: their inputs follow from the config. Remote code is
+never run (`trust_remote_code` stays off).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -46,21 +54,35 @@ BUILTIN = {
 }
 
 
-def build(name: str, seed: int = 0):
-    """(model, make_batch or None) for a built-in name or a `module:function` builder."""
-    torch.manual_seed(seed)
+def config_of(name: str):
+    """The transformers config a model name gives (a built-in, a local directory or config.json,
+    `hf:<repo id>`); None for a `module:function` builder."""
     if name in BUILTIN:
-        try:
-            import transformers
-        except ImportError:
-            raise ActdesignError(f"model {name!r} needs the transformers package: "
-                                 "pip install 'actdesign[hf]'") from None
-        transformers.logging.set_verbosity_error()  # no advice about random-weight models
-        config_cls, model_cls, args = BUILTIN[name]
-        config = getattr(transformers, config_cls)(**args)
-        model = getattr(transformers, model_cls)(config)
-        return model, None
-    made = _builder(name)()
+        transformers = _transformers(name)
+        config_cls, _, args = BUILTIN[name]
+        return getattr(transformers, config_cls)(**args)
+    if name.startswith("hf:"):
+        return _hub_config(name, name.removeprefix("hf:"))
+    path = Path(name)
+    if path.is_dir() or (path.suffix == ".json" and path.is_file()):
+        return _local_config(name, path)
+    if ":" in name:
+        return None
+    hint = (f"; for a Hub model, write hf:{name}" if "/" in name and not path.exists()
+            else "")
+    raise ActdesignError(f"unknown model {name!r}: use a built-in ({', '.join(BUILTIN)}), a "
+                         "local model directory or config.json, hf:<repo id>, "
+                         f"package.module:function or file.py:function{hint}")
+
+
+def build(name: str, seed: int = 0):
+    """(model, make_batch or None) for a model name (see the module's docstring); a config
+    builds its architecture with random weights."""
+    torch.manual_seed(seed)
+    config = config_of(name)
+    if config is not None:
+        return _from_config(name, config), None
+    made = load_callable(name, "model")()
     if isinstance(made, tuple) and len(made) == 2 and callable(made[1]):
         model, make_batch = made
     else:
@@ -68,6 +90,62 @@ def build(name: str, seed: int = 0):
     if not isinstance(model, torch.nn.Module):
         raise ActdesignError(f"{name} returned {type(model).__name__}, not a torch module")
     return model, make_batch
+
+
+def _transformers(name):
+    try:
+        import transformers
+    except ImportError:
+        raise ActdesignError(f"model {name!r} needs the transformers package: "
+                             "pip install 'actdesign[hf]'") from None
+    transformers.logging.set_verbosity_error()  # no advice about random-weight models
+    return transformers
+
+
+def _local_config(name, path: Path):
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ActdesignError(f"model {name!r}: no config.json in that directory; give a Hugging "
+                             "Face model directory or its config.json")
+    transformers = _transformers(name)
+    try:
+        return transformers.AutoConfig.from_pretrained(str(file))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ActdesignError(f"model {name!r}: cannot read {str(file)!r}: {exc}") from None
+
+
+def _hub_config(name, repo):
+    if not repo:
+        raise ActdesignError(f"model {name!r}: give a repo id, such as hf:gpt2")
+    transformers = _transformers(name)
+    try:
+        return transformers.AutoConfig.from_pretrained(repo, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        if "does not recognize this architecture" in str(exc) or "model_type" in str(exc):
+            raise ActdesignError(f"model {name!r}: this transformers does not know its "
+                                 "architecture (remote code is not run)") from None
+        raise ActdesignError(f"model {name!r}: its config is not in the local Hugging Face cache; "
+                             f"fetch it once online with `hf download {repo} config.json`, or "
+                             "give a local model directory") from None
+
+
+def _from_config(name, config):
+    """The model class the name says (BUILTIN) or the config lists (`architectures`); else the
+    causal LM for the config's type, else its bare model."""
+    transformers = _transformers(name)
+    if name in BUILTIN:
+        return getattr(transformers, BUILTIN[name][1])(config)
+    for arch in getattr(config, "architectures", None) or ():
+        model_cls = getattr(transformers, arch, None)
+        if model_cls is not None:
+            return model_cls(config)
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            return auto.from_config(config)
+        except ValueError:
+            continue
+    raise ActdesignError(f"model {name!r}: this transformers has no model for its config "
+                         f"({type(config).__name__})")
 
 
 def load_callable(ref: str, what: str):
@@ -86,6 +164,8 @@ def load_callable(ref: str, what: str):
             sys.modules.setdefault(path.stem, module)
             spec.loader.exec_module(module)
         else:
+            if os.getcwd() not in sys.path:  # as `python -m` does
+                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ActdesignError(f"{what} {ref!r}: cannot import {module_name!r} ({exc})") from None
@@ -93,13 +173,6 @@ def load_callable(ref: str, what: str):
     if not callable(fn):
         raise ActdesignError(f"{what} {ref!r}: {module_name!r} has no function {attr!r}")
     return fn
-
-
-def _builder(ref: str):
-    if ":" not in ref:
-        raise ActdesignError(f"unknown model {ref!r}: use one of {', '.join(BUILTIN)} or "
-                             "package.module:function")
-    return load_callable(ref, "model")
 
 
 def is_transformers(model) -> bool:

@@ -7,9 +7,12 @@ Precisions: `fp32`; `bf16-autocast`, float32 weights with the forward under
 on CPU.
 
 Saved bytes are the distinct storages autograd keeps for the backward (parameters aside), each
-charged to the module that first saved it. Peak memory is CUDA's allocator peak on a GPU; on
-CPU it is the saved-bytes account (torch keeps no CPU allocator peak). Times are medians of
-`repeats` steps after one warm-up step, which also compiles any kernels.
+charged to the module that first saved it; what the model's own forward saves outside its
+submodules (its output and loss) is the row "(output and loss)". Weight copies (autocast's
+bfloat16 casts) are made once per step whatever the batch, and are counted apart from the
+activations, which grow with the batch. Peak memory is CUDA's allocator peak on a GPU; on CPU
+it is the saved-bytes account (torch keeps no CPU allocator peak). Times are the median and the
+range (min-max) of `repeats` steps after one warm-up step, which also compiles any kernels.
 """
 
 from __future__ import annotations
@@ -38,12 +41,21 @@ def default_precision(device: str) -> str:
     return "bf16-autocast" if device.startswith("cuda") else "fp32"
 
 
+OUTPUT_ROW = "(output and loss)"  # the model's own forward, outside its submodules
+
+
 @dataclass
 class Run:
-    saved: dict[str, int]  # module name -> bytes
-    total: int
+    saved: dict[str, int]  # module name -> bytes, weight copies aside
+    total: int  # all saved bytes, weight copies included
     peak: int  # bytes; see `peak_kind`
-    step_s: float
+    step_s: float  # the median of `times`
+    times: list[float]
+    constant: int = 0  # bytes of weight copies, once per step
+
+    @property
+    def activations(self) -> int:
+        return self.total - self.constant
 
 
 @dataclass
@@ -65,12 +77,14 @@ class Profile:
         for which, run in enumerate((self.baseline, self.compressed)):
             for name, n in run.saved.items():
                 key = name if per_module else re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
-                rows.setdefault(key or "(model)", [0, 0])[which] += n
+                rows.setdefault(key or OUTPUT_ROW, [0, 0])[which] += n
         return [(k, a, b) for k, (a, b) in rows.items()]
 
     def to_dict(self) -> dict:
         def run(r: Run):
-            return {"saved_bytes": r.total, "peak_bytes": r.peak, "step_seconds": r.step_s,
+            return {"saved_bytes": r.total, "activation_bytes": r.activations,
+                    "weight_copy_bytes": r.constant, "peak_bytes": r.peak,
+                    "step_seconds": r.step_s, "step_seconds_all": r.times,
                     "saved_by_module": r.saved}
 
         return {"model": self.model, "policy": self.policy, "shape": self.shape,
@@ -80,24 +94,62 @@ class Profile:
                 "saved_ratio": _ratio(self.compressed.total, self.baseline.total),
                 "peak_ratio": _ratio(self.compressed.peak, self.baseline.peak),
                 "time_ratio": _ratio(self.compressed.step_s, self.baseline.step_s),
+                "time_warning": time_warning(self.baseline.times, self.compressed.times),
                 "compress": self.report.to_dict()}
 
     def table(self, per_module: bool = False) -> str:
+        a, b = self.baseline, self.compressed
+        scale, unit = size_unit(max(a.total, b.total, a.peak, b.peak))
+
+        def row(label, x, y, ratio=True):
+            return (f"{label[-47:]:<48}{x / scale:>14,.2f}{y / scale:>16,.2f}"
+                    f"{_fmt(_ratio(y, x)) if ratio else '':>8}")
+
         lines = [f"{self.model}, policy {self.policy}, {self.shape}, {self.precision}, "
                  f"on {self.device}",
-                 f"{'saved for backward':<48}{'baseline KiB':>14}{'compressed KiB':>16}"
+                 f"{'saved for backward':<48}{'baseline ' + unit:>14}{'compressed ' + unit:>16}"
                  f"{'ratio':>8}"]
-        for name, a, b in self.rows(per_module):
-            lines.append(f"{name[-47:]:<48}{a / 1024:>14,.1f}{b / 1024:>16,.1f}"
-                         f"{_fmt(_ratio(b, a)):>8}")
-        a, b = self.baseline, self.compressed
-        lines.append(f"{'total':<48}{a.total / 1024:>14,.1f}{b.total / 1024:>16,.1f}"
-                     f"{_fmt(_ratio(b.total, a.total)):>8}")
-        lines.append(f"{'peak memory (' + self.peak_kind + ')':<48}{a.peak / 1024:>14,.1f}"
-                     f"{b.peak / 1024:>16,.1f}{_fmt(_ratio(b.peak, a.peak)):>8}")
-        lines.append(f"{'step time, ms (median)':<48}{a.step_s * 1e3:>14,.1f}"
+        lines += [row(name, x, y) for name, x, y in self.rows(per_module)]
+        if a.constant or b.constant:
+            lines.append(row("activations (grow with the batch)", a.activations, b.activations))
+            lines.append(row("weight copies (once per step)", a.constant, b.constant))
+        lines.append(row("total", a.total, b.total))
+        lines.append(row(f"peak memory ({self.peak_kind})", a.peak, b.peak))
+        lines.append(f"{'step time, ms: median':<48}{a.step_s * 1e3:>14,.1f}"
                      f"{b.step_s * 1e3:>16,.1f}{_fmt(_ratio(b.step_s, a.step_s)):>8}")
+        lines.append(f"{f'  min-max of {len(a.times)}':<48}{_range(a.times):>14}"
+                     f"{_range(b.times):>16}")
+        if any(name == OUTPUT_ROW for name, _, _ in self.rows()):
+            lines.append(f"{OUTPUT_ROW}: saved by the model's own forward outside its "
+                         "submodules (its output and loss)")
+        warning = time_warning(a.times, b.times)
+        if warning:
+            lines.append(f"warning: {warning}")
         return "\n".join(lines)
+
+
+def size_unit(largest: int) -> tuple[int, str]:
+    """(bytes per unit, unit) for a table whose largest figure is `largest` bytes: GiB from
+    1 GiB, MiB from 1 MiB, KiB below (toy models)."""
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB")):
+        if largest >= scale:
+            return scale, unit
+    return 2**10, "KiB"
+
+
+def time_warning(baseline: list[float], compressed: list[float]) -> str | None:
+    """A warning when the two medians differ by less than either's spread (max - min): the
+    difference shown is then noise as much as it is the policy's."""
+    spread = max(max(baseline) - min(baseline), max(compressed) - min(compressed))
+    difference = abs(statistics.median(compressed) - statistics.median(baseline))
+    if spread <= difference:
+        return None
+    return (f"the step times differ by {difference * 1e3:,.1f} ms, less than their spread "
+            f"({spread * 1e3:,.1f} ms): more --repeats, or a quieter machine, to tell them apart")
+
+
+def _range(times: list[float]) -> str:
+    return f"{min(times) * 1e3:,.1f}-{max(times) * 1e3:,.1f}"
 
 
 def _ratio(a, b):
@@ -109,14 +161,23 @@ def _fmt(r) -> str:
 
 
 def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str = "cpu",
-            repeats: int = 3, seed: int = 0, precision: str | None = None) -> Profile:
-    """Build the model (a built-in name or a `module:function` builder), copy it, compress the
-    copy with `policy`, and measure one training step of each on the same random batch, in
-    `precision` (one of PRECISIONS; default: bf16-autocast on CUDA, fp32 on CPU)."""
+            repeats: int = 3, seed: int = 0, precision: str | None = None,
+            progress=None) -> Profile:
+    """Build the model (a name models.build takes), copy it, compress the copy with `policy`,
+    and measure one training step of each on the same random batch, in `precision` (one of
+    PRECISIONS; default: bf16-autocast on CUDA, fp32 on CPU). `progress(message)`, when given,
+    hears each stage as it starts."""
     precision = precision or default_precision(device)
     if precision not in PRECISIONS:
         raise ActdesignError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {precision!r}")
+    start = time.perf_counter()
+
+    def say(message):
+        if progress is not None:
+            progress(f"[{time.perf_counter() - start:6.1f} s] {message}")
+
+    say(f"building {model_name}")
     model, make_batch = models.build(model_name, seed)
     model = model.to(device).train()
     inputs = models.example_batch(model, batch, seq, make_batch, seed)
@@ -126,8 +187,11 @@ def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str
         model.to(dtype)
     inputs, small = _to(inputs, device, dtype), _to(small, device, dtype)
     compressed = copy.deepcopy(model)
+    say(f"compressing a copy with {policy if isinstance(policy, str) else 'the policy'}")
     report = compress(compressed, policy, example_inputs=small)
-    runs = [_measure(m, inputs, device, precision, repeats, seed) for m in (model, compressed)]
+    runs = [_measure(m, inputs, device, precision, repeats, seed,
+                     lambda message, which=which: say(f"{which}: {message}"))
+            for m, which in ((model, "baseline"), (compressed, "compressed"))]
     vision = getattr(getattr(model, "config", None), "image_size", None)
     shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision and make_batch is None
                                   else f"sequence {seq}")
@@ -152,7 +216,7 @@ def forward_context(precision: str, device: str):
     return contextlib.nullcontext()
 
 
-def _measure(model, inputs, device, precision, repeats, seed) -> Run:
+def _measure(model, inputs, device, precision, repeats, seed, say) -> Run:
     def loss():
         with forward_context(precision, device):
             return models.loss_of(models.call(model, inputs))
@@ -163,18 +227,21 @@ def _measure(model, inputs, device, precision, repeats, seed) -> Run:
 
     cuda = device.startswith("cuda")
     torch.manual_seed(seed)
+    say("warm-up step")
     step()  # warm-up: kernels compile, lazy state is created
     model.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(seed)
+    say("counting saved bytes")
     saved, out = account(model, loss)
     out.backward()
     peak = torch.cuda.max_memory_allocated() if cuda else saved.total
     del out
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        say(f"step {i + 1} of {repeats}")
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -183,7 +250,8 @@ def _measure(model, inputs, device, precision, repeats, seed) -> Run:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
-    return Run(saved.by_module, saved.total, peak, statistics.median(times))
+    return Run(saved.by_module, saved.total, peak, statistics.median(times), times,
+               saved.constant)
 
 
 def plot(result: Profile, path, per_module: bool = False) -> None:
