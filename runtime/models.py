@@ -75,14 +75,18 @@ def config_of(name: str):
                          f"package.module:function or file.py:function{hint}")
 
 
-def build(name: str, seed: int = 0):
+def build(name: str, seed: int = 0, say=None):
     """(model, make_batch or None) for a model name (see the module's docstring); a config
-    builds its architecture with random weights."""
+    builds its architecture with random weights. `say(message)`, when given, hears when the
+    name is resolved and building starts."""
     torch.manual_seed(seed)
     config = config_of(name)
+    builder = load_callable(name, "model") if config is None else None
+    if say is not None:
+        say(f"building {name}")
     if config is not None:
         return _from_config(name, config), None
-    made = load_callable(name, "model")()
+    made = builder()
     if isinstance(made, tuple) and len(made) == 2 and callable(made[1]):
         model, make_batch = made
     else:

@@ -177,8 +177,7 @@ def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str
         if progress is not None:
             progress(f"[{time.perf_counter() - start:6.1f} s] {message}")
 
-    say(f"building {model_name}")
-    model, make_batch = models.build(model_name, seed)
+    model, make_batch = models.build(model_name, seed, say)
     model = model.to(device).train()
     inputs = models.example_batch(model, batch, seq, make_batch, seed)
     small = models.example_batch(model, 2, min(seq, 8), make_batch, seed)
