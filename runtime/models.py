@@ -124,10 +124,10 @@ def _hub_config(name, repo):
     transformers = _transformers(name)
     try:
         return transformers.AutoConfig.from_pretrained(repo, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        if "does not recognize this architecture" in str(exc) or "model_type" in str(exc):
-            raise ActdesignError(f"model {name!r}: this transformers does not know its "
-                                 "architecture (remote code is not run)") from None
+    except ValueError as exc:  # a model type this transformers lacks, or a bad config
+        raise ActdesignError(f"model {name!r}: cannot use its config (remote code is not "
+                             f"run): {exc}") from None
+    except OSError:
         raise ActdesignError(f"model {name!r}: its config is not in the local Hugging Face cache; "
                              f"fetch it once online with `hf download {repo} config.json`, or "
                              "give a local model directory") from None

@@ -102,6 +102,7 @@ def test_calibrate_writes_a_policy_compress_accepts(capsys, user):
 ERRORS = {
     "unknown builtin": (["profile", "--model", "gpt5"], "unknown model 'gpt5'"),
     "missing module": (["profile", "--model", "nosuchpkg.models:build"], "cannot import"),
+    "directory without a config": (["profile", "--model", "."], "no config.json"),
     "missing function": (["profile", "--model", "usermodels:nothing"], "has no function"),
     "missing file": (["profile", "--model", "nowhere.py:build"], "not found"),
     "not a model": (["profile", "--model", "usermodels:not_a_model"], "not a torch module"),
