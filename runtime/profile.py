@@ -120,8 +120,8 @@ class Profile:
         lines.append(f"{f'  min-max of {len(a.times)}':<48}{_range(a.times):>14}"
                      f"{_range(b.times):>16}")
         if any(name == OUTPUT_ROW for name, _, _ in self.rows()):
-            lines.append(f"{OUTPUT_ROW}: saved by the model's own forward outside its "
-                         "submodules (its output and loss)")
+            lines.append(f"{OUTPUT_ROW}: saved by the model's own forward, outside its "
+                         "submodules: computing its output and loss")
         warning = time_warning(a.times, b.times)
         if warning:
             lines.append(f"warning: {warning}")
