@@ -15,7 +15,7 @@ def profile(baseline_times, compressed_times, scale=GIB):
 
 
 def test_the_unit_follows_the_largest_figure():
-    assert size_unit(3_601_917_952) == (GIB, "GiB")  # the tracker's 3,517,498.0 KiB
+    assert size_unit(3_601_917_952) == (GIB, "GiB")  # 3,517,498.0 KiB, as a GPT-2 profile printed it
     assert size_unit(GIB) == (GIB, "GiB")
     assert size_unit(GIB - 1) == (MIB, "MiB")
     assert size_unit(MIB) == (MIB, "MiB")
@@ -41,7 +41,7 @@ def test_table_in_mib():
 
 def test_a_spread_wider_than_the_difference_is_a_warning():
     assert time_warning([0.100, 0.101, 0.102], [0.120, 0.121, 0.122]) is None
-    # the tracker's case: one slow step among three
+    # one slow step among three, as a noisy machine gives
     warning = time_warning([0.100, 0.105, 35.3], [0.100, 0.110, 0.120])
     assert warning is not None and "differ by 5.0 ms" in warning
     assert "spread (35,200.0 ms)" in warning
