@@ -15,7 +15,7 @@ def profile(baseline_times, compressed_times, scale=GIB):
 
 
 def test_the_unit_follows_the_largest_figure():
-    assert size_unit(3_601_917_952) == (GIB, "GiB")  # 3,517,498.0 KiB, as a GPT-2 profile printed it
+    assert size_unit(3_601_917_952) == (GIB, "GiB")  # 3,517,498.0 KiB before
     assert size_unit(GIB) == (GIB, "GiB")
     assert size_unit(GIB - 1) == (MIB, "MiB")
     assert size_unit(MIB) == (MIB, "MiB")
