@@ -289,6 +289,50 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
         click.echo(f"wrote {json_out}")
 
 
+@cli.command()
+@click.option("--model", "-m", "model_name", required=True,
+              help="A built-in transformers config, a local Hugging Face model directory or "
+                   "its config.json, or hf:<repo id>: built on fake tensors, no weights.")
+@click.option("--batch", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
+              help="Sequence length (text models).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
+              default="fp32", show_default=True,
+              help="fp32; bf16-autocast (float32 weights, the forward under bfloat16 "
+                   "autocast); bf16 (bfloat16 weights and inputs).")
+@click.option("--policy", "-p", "policies", multiple=True, default=("none",),
+              show_default=True, help="Repeatable; only none (the uncompressed model) for now.")
+@click.option("--checkpointing", is_flag=True, help="With gradient checkpointing.")
+@click.option("--gpu-memory", metavar="SIZE",
+              help="Say whether the total fits in this much memory, such as 24GiB or 80GB.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
+              metavar="FILE", help="Also write the estimate as JSON ('-': stdout only).")
+@_FORCE
+def estimate(model_name, batch, seq, precision, policies, checkpointing, gpu_memory, json_out,
+             force):
+    """Estimate the memory of one training step from a model's config, without its weights
+    or a GPU: bytes saved for the backward by module, the activation peak, and weights,
+    gradients and AdamW state. Progress goes to stderr."""
+    import json
+
+    from .files import write_atomic
+    from .runtime.estimate import estimate as run
+    from .runtime.estimate import parse_size
+
+    _check_out(json_out if json_out != "-" else None, "json", force)
+    size = parse_size(gpu_memory) if gpu_memory is not None else None
+    result = run(model_name, batch, seq, precision, policies, checkpointing, gpu_memory=size,
+                 progress=lambda message: click.echo(message, err=True))
+    text = json.dumps(result.to_dict(), indent=1)
+    if json_out == "-":
+        click.echo(text)
+        return
+    click.echo(result.table())
+    if json_out is not None:
+        write_atomic(json_out, text + "\n")
+        click.echo(f"wrote {json_out}")
+
+
 @cli.command("calibrate")
 @click.option("--model", "-m", "model_name", required=True, help=_MODEL_HELP)
 @click.option("--data", required=True, metavar="MODULE:FUNCTION",

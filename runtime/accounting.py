@@ -17,7 +17,7 @@ import torch
 @dataclass
 class SavedBytes:
     by_module: dict[str, int] = field(default_factory=dict)  # module name ("" the model)
-    storages: dict[int, int] = field(default_factory=dict)  # storage pointer -> bytes
+    storages: dict[int, int] = field(default_factory=dict)  # storage_key -> bytes
     constant: int = 0  # bytes of weight copies, in storages but in no module's count
 
     @property
@@ -55,17 +55,22 @@ def weight_copy(t: torch.Tensor) -> bool:
     return node is not None and node is not t.grad_fn and hasattr(node, "variable")
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """One key per storage, for real and fake tensors alike (a fake tensor's data pointer is 0):
+    the address of its storage object, which views share."""
+    return t.untyped_storage()._cdata
+
+
 def account(model: torch.nn.Module, run) -> tuple[SavedBytes, object]:
     """(the bytes `run()`'s forward saves for backward, by module; run()'s result)."""
     names = {m: n for n, m in model.named_modules()}
     stack = [""]
-    skip = {t.untyped_storage().data_ptr()
-            for t in (*model.parameters(), *model.buffers())}
+    skip = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
     saved = SavedBytes()
 
     def pack(t):
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = storage_key(t)
         if ptr not in skip and ptr not in saved.storages and storage.nbytes():
             saved.storages[ptr] = storage.nbytes()
             if weight_copy(t):

@@ -1,0 +1,306 @@
+"""Memory of one training step from a model's config alone: no weights, no GPU.
+
+The model is built and run (one forward and backward, at the real batch and sequence length)
+under torch's FakeTensorMode: every tensor has a shape, a dtype and a storage size, and none
+holds data. The saved bytes are counted as `profile` counts them (runtime.accounting: distinct
+storages, parameters and buffers aside, weight copies apart), with the kernels torch picks on
+the CPU.
+
+The activation peak is exact for what it covers: the largest sum, over the step, of the
+storages made by the step that are alive at once (every tensor the forward and the backward
+make, recomputation included), parameters' gradients aside. It does not model an allocator's
+rounding or caching, nor the optimizer step's temporaries. Weights, gradients and optimizer
+state are a line of their own; the total adds all of them to the activation peak, as if every
+gradient were alive at the peak (they all are when the optimizer steps).
+
+Only the uncompressed model (policy `none`) is estimated for now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from actdesign.errors import ActdesignError
+
+from . import models
+from .accounting import account, storage_key
+from .profile import OUTPUT_ROW, PRECISIONS, forward_context, size_unit
+
+# optimizer -> (its name in the table, states per trainable parameter element); each state has
+# the parameter's dtype, as torch.optim.AdamW keeps them (float32 unless the weights are bf16).
+OPTIMIZERS = {"adamw": ("AdamW", 2)}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as `24GiB`, `80GB` or `1.5 TiB` (GB: 10**9 bytes, GiB: 2**30)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not unit:
+        raise ActdesignError(f"cannot read the size {text!r}: write a number and a unit, such "
+                             "as 24GiB or 80GB")
+    return int(float(match.group(1)) * unit)
+
+
+@dataclass
+class Row:
+    policy: str
+    saved: dict[str, int]  # module name -> bytes, weight copies aside
+    saved_bytes: int  # all saved bytes, weight copies included
+    constant: int  # bytes of weight copies
+    peak_bytes: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    fits: bool | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes + self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "saved_bytes": self.saved_bytes,
+                "peak_bytes": self.peak_bytes, "weights_bytes": self.weights_bytes,
+                "gradients_bytes": self.gradients_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "total_bytes": self.total_bytes,
+                "fits": self.fits, "weight_copy_bytes": self.constant,
+                "saved_by_module": self.saved}
+
+
+@dataclass
+class Estimate:
+    model: str
+    shape: str
+    precision: str
+    checkpointing: bool
+    optimizer: str
+    gpu_memory: int | None
+    rows: list[Row] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"format": "actdesign.estimate", "model": self.model, "shape": self.shape,
+                "precision": self.precision,
+                "checkpointing": self.checkpointing, "optimizer": self.optimizer,
+                "gpu_memory_bytes": self.gpu_memory, "rows": [r.to_dict() for r in self.rows]}
+
+    def table(self) -> str:
+        scale, unit = size_unit(max(r.total_bytes for r in self.rows))
+        width = max(14, *(len(r.policy) + 2 for r in self.rows))
+
+        def line(label, values):
+            return f"{label[-47:]:<48}" + "".join(f"{v / scale:>{width},.2f}" for v in values)
+
+        checkpointing = "with" if self.checkpointing else "without"
+        lines = [f"{self.model}, {self.shape}, {self.precision}, {checkpointing} gradient "
+                 "checkpointing: estimated on fake tensors",
+                 f"{'saved for backward, ' + unit:<48}"
+                 + "".join(f"{r.policy:>{width}}" for r in self.rows)]
+        patterns: dict[str, list[int]] = {}
+        for i, r in enumerate(self.rows):
+            for name, n in r.saved.items():
+                key = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name) or OUTPUT_ROW
+                patterns.setdefault(key, [0] * len(self.rows))[i] += n
+        lines += [line(name, values) for name, values in patterns.items()]
+        if any(r.constant for r in self.rows):
+            lines.append(line("weight copies (once per step)", [r.constant for r in self.rows]))
+        name, states = OPTIMIZERS[self.optimizer]
+        for label, attr in (("saved total", "saved_bytes"), ("activation peak", "peak_bytes"),
+                            ("weights", "weights_bytes"), ("gradients", "gradients_bytes"),
+                            (f"optimizer state ({name}, {states} per parameter)",
+                             "optimizer_bytes"),
+                            ("total", "total_bytes")):
+            lines.append(line(label, [getattr(r, attr) for r in self.rows]))
+        if self.gpu_memory is not None:
+            gpu_scale, gpu_unit = size_unit(self.gpu_memory)
+            lines.append(f"{f'fits in {self.gpu_memory / gpu_scale:,.2f} {gpu_unit}':<48}"
+                         + "".join(f"{'yes' if r.fits else 'no':>{width}}" for r in self.rows))
+        return "\n".join(lines)
+
+
+class _Live(TorchDispatchMode):
+    """Every storage an op makes, as (allocation, +bytes) when first seen and (allocation,
+    -bytes) when freed; storages it was told of (weights, inputs) are not followed."""
+
+    def __init__(self, known):
+        super().__init__()
+        self.known = set(known)
+        self.live: dict[int, tuple[int, int]] = {}  # storage_key -> (allocation, bytes)
+        self.events: list[tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.native_layer_norm.default and out[1].dtype != torch.float32:
+            # its mean and rstd are float32 on the CPU and CUDA for a bfloat16 input, but
+            # the fake kernel makes them in the input's dtype
+            out = (out[0], out[1].float(), out[2].float())
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        return out
+
+    def _see(self, t):
+        key = storage_key(t)
+        if key in self.known or key in self.live:
+            return
+        storage = t.untyped_storage()
+        allocation = len(self.events)
+        self.live[key] = (allocation, storage.nbytes())
+        self.events.append((allocation, storage.nbytes()))
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key):
+        allocation, n = self.live.pop(key)
+        self.events.append((allocation, -n))
+
+    def peak(self, leave_out=()) -> int:
+        """The most bytes alive at once, allocations in `leave_out` aside."""
+        leave_out = {self.live[k][0] for k in leave_out if k in self.live}
+        now = peak = 0
+        for allocation, n in self.events:
+            if allocation not in leave_out:
+                now += n
+                peak = max(peak, now)
+        return peak
+
+
+def _distinct(tensors) -> dict[int, torch.Tensor]:
+    return {storage_key(t): t for t in tensors}
+
+
+def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
+             policies=("none",), checkpointing: bool = False, optimizer: str = "adamw",
+             gpu_memory: int | str | None = None, progress=None) -> Estimate:
+    """Estimate one training step of a model from its config (a name models.config_of takes)
+    at `batch` x `seq`, in `precision` (one of PRECISIONS), with gradient checkpointing or
+    not: saved bytes by module, activation peak, weights, gradients and `optimizer` state, and
+    whether their sum fits in `gpu_memory` (bytes, or a size such as "24GiB") when given. One
+    row per policy; only `none` (the uncompressed model) is estimated for now."""
+    if precision not in PRECISIONS:
+        raise ActdesignError(f"precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {precision!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ActdesignError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                             f"got {optimizer!r}")
+    policies = [policies] if isinstance(policies, str) else list(policies)
+    for policy in policies:
+        if policy != "none":
+            raise ActdesignError(f"cannot estimate policy {policy!r}: estimate covers the "
+                                 "uncompressed model (--policy none) only for now; measure a "
+                                 "policy with `actdesign profile`")
+    if isinstance(gpu_memory, str):
+        gpu_memory = parse_size(gpu_memory)
+    start = time.perf_counter()
+
+    def say(message):
+        if progress is not None:
+            progress(f"[{time.perf_counter() - start:6.1f} s] {message}")
+
+    config = models.config_of(model_name)
+    if config is None:
+        raise ActdesignError(f"model {model_name!r}: estimate builds a model from its config; "
+                             "give a built-in, a local config.json or hf:<repo id>")
+    rows = []
+    for policy in policies:
+        say(f"building {model_name} on fake tensors")
+        rows.append(_estimate_one(model_name, config, policy, batch, seq, precision,
+                                  checkpointing, optimizer, say))
+        if gpu_memory is not None:
+            rows[-1].fits = rows[-1].total_bytes <= gpu_memory
+    vision = getattr(config, "image_size", None)
+    shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision else f"sequence {seq}")
+    return Estimate(model_name, shape, precision, checkpointing, optimizer, gpu_memory, rows)
+
+
+def _estimate_one(name, config, policy, batch, seq, precision, checkpointing, optimizer,
+                  say) -> Row:
+    with FakeTensorMode(), _unpacked_sequences():
+        model = models._from_config(name, config).train()
+        if precision == "bf16":
+            _to_bf16(model)
+        if checkpointing:
+            _checkpointing(name, model)
+        inputs = models.example_batch(model, batch, seq)
+        if precision == "bf16":
+            inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                      for k, v in inputs.items()}
+        weights = _distinct((*model.parameters(), *model.buffers()))
+        trainable = _distinct(p for p in model.parameters() if p.requires_grad)
+        live = _Live((*weights, *_distinct(inputs.values())))
+
+        def loss():
+            with forward_context(precision, "cpu"):
+                return models.loss_of(models.call(model, inputs))
+
+        say("one training step")
+        with live:
+            saved, out = account(model, loss)
+            out.backward()
+            del out
+        grads = _distinct(p.grad for p in model.parameters() if p.grad is not None)
+        peak = live.peak(grads)
+    state = OPTIMIZERS[optimizer][1]
+    return Row(policy, saved.by_module, saved.total, saved.constant, peak,
+               sum(t.untyped_storage().nbytes() for t in weights.values()),
+               sum(t.untyped_storage().nbytes() for t in trainable.values()),
+               state * sum(t.untyped_storage().nbytes() for t in trainable.values()))
+
+
+@contextlib.contextmanager
+def _unpacked_sequences():
+    """transformers cannot read fake position ids, so takes each row for several packed
+    sequences and builds the full attention mask that a real batch skips (SDPA's is_causal
+    instead): a mask the real step never saves. The batches here hold one sequence a row."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    real = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if real is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = real
+
+
+def _to_bf16(model):
+    """model.to(torch.bfloat16) on fake tensors, whose parameters `to` cannot swap: each floating
+    parameter and buffer replaced by its bfloat16 copy, tied ones by the same copy."""
+    copies = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for key, t in store.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) not in copies:
+                    copy = t.detach().to(torch.bfloat16)
+                    if isinstance(t, torch.nn.Parameter):
+                        copy = torch.nn.Parameter(copy, t.requires_grad)
+                    copies[id(t)] = copy
+                store[key] = copies[id(t)]
+
+
+def _checkpointing(name, model):
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ActdesignError(f"model {name!r} ({type(model).__name__}) does not support "
+                             "gradient checkpointing")
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # its newer name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
