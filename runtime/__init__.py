@@ -14,6 +14,7 @@ from .cache import cache_dir, load, load_source
 from .calibrate import calibrate
 from .compress import Report, compress
 from .compressed import LeanLinear
+from .estimate import Estimate, estimate
 from .norms import MSLayerNorm, MSRMSNorm, QMSLayerNorm, QMSRMSNorm, ms_norm, norm_ops
 from .policy import Policy
 from .policy import load as load_policy
@@ -21,8 +22,8 @@ from .pooled import PooledConv2d
 from .quantized import QConv2d, QLinear, actnn_ops, qconv2d, qlinear
 from .sparse import SparseConv2d, SparseLinear
 
-__all__ = ["LeanLinear", "MSLayerNorm", "MSRMSNorm", "Policy", "PooledConv2d", "QConv2d",
-           "QLinear", "QMSLayerNorm", "QMSRMSNorm", "Report", "SavedBytes", "SparseConv2d",
-           "SparseLinear", "account", "actnn_ops", "cache_dir", "calibrate", "compress",
-           "load", "load_policy", "load_source", "ms_norm", "norm_ops", "qconv2d",
-           "qlinear"]
+__all__ = ["Estimate", "LeanLinear", "MSLayerNorm", "MSRMSNorm", "Policy", "PooledConv2d",
+           "QConv2d", "QLinear", "QMSLayerNorm", "QMSRMSNorm", "Report", "SavedBytes",
+           "SparseConv2d", "SparseLinear", "account", "actnn_ops", "cache_dir", "calibrate",
+           "compress", "estimate", "load", "load_policy", "load_source", "ms_norm", "norm_ops",
+           "qconv2d", "qlinear"]

@@ -140,9 +140,9 @@ class _Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.native_layer_norm.default and out[1].dtype != torch.float32:
-            # its mean and rstd are float32 on the CPU and CUDA for a bfloat16 input, but
-            # the fake kernel makes them in the input's dtype
+        if func is torch.ops.aten.native_layer_norm.default and _mixed(args):
+            # the CPU kernel makes mean and rstd in float32 for a bfloat16 input with float32
+            # weights (autocast), the fake kernel in the input's dtype
             out = (out[0], out[1].float(), out[2].float())
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -172,6 +172,11 @@ class _Live(TorchDispatchMode):
                 now += n
                 peak = max(peak, now)
         return peak
+
+
+def _mixed(args) -> bool:
+    x, weight = args[0], args[2] if len(args) > 2 else None
+    return weight is not None and weight.dtype == torch.float32 != x.dtype
 
 
 def _distinct(tensors) -> dict[int, torch.Tensor]:

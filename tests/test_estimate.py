@@ -4,8 +4,10 @@ measures on real ones, allocates no weight, and refuses what it does not estimat
 import json
 
 import pytest
+import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from actdesign import runtime
 from actdesign.cli import main
 from actdesign.errors import ActdesignError
 from actdesign.runtime import models
@@ -17,6 +19,8 @@ def measured(name, batch, seq, precision, checkpointing):
     """profile's own measurement of one real training step (saved bytes, weight copies)."""
     model, _ = models.build(name)
     model.train()
+    if precision == "bf16":
+        model.to(torch.bfloat16)  # the inputs are token ids: nothing else to cast
     if checkpointing:
         _checkpointing(name, model)
     inputs = models.example_batch(model, batch, seq)
@@ -29,7 +33,7 @@ def measured(name, batch, seq, precision, checkpointing):
 # step skips (gpt2 with checkpointing, 2 x 16 x 16 bytes) stays under 1% at (2, 16).
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "bert-tiny"])
 @pytest.mark.parametrize("shape", [(2, 16), (3, 40)])
-@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_saved_bytes_match_profile(name, shape, precision, checkpointing):
     row = estimate(name, *shape, precision, checkpointing=checkpointing).rows[0]
@@ -41,7 +45,9 @@ def test_saved_bytes_match_profile(name, shape, precision, checkpointing):
 
 
 def test_weights_gradients_and_adamw_state():
-    row = estimate("llama-tiny", 2, 16).rows[0]
+    result = runtime.estimate("llama-tiny", 2, 16)  # the Python entry point
+    assert result.optimizer == "adamw"
+    row = result.rows[0]
     model, _ = models.build("llama-tiny")
     n = sum(p.numel() for p in model.parameters())
     assert row.gradients_bytes == 4 * n
@@ -123,6 +129,8 @@ def test_cli_table_and_json(capsys, tmp_path):
                          "16", "--json", str(out_file))
     assert code == 0, err  # its own output is replaced
     assert json.loads(out_file.read_text())["rows"][0]["fits"] is None
+    code, out, err = run(capsys, "estimate", "--model", "gpt2-tiny", "--json", "-")
+    assert code == 0 and json.loads(out)["rows"][0]["policy"] == "none"
     out_file.write_text("{}")
     code, out, err = run(capsys, "estimate", "--model", "gpt2-tiny", "--json", str(out_file))
     assert code == 2 and "pass --force" in err and out_file.read_text() == "{}"
@@ -145,6 +153,15 @@ def test_cli_refusals_are_one_line(capsys, tmp_path, argv, words):
     assert err.startswith("actdesign: error: ") and words in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not out_file.exists()
+
+
+def test_python_refusals():
+    with pytest.raises(ActdesignError, match="only for now"):
+        estimate("gpt2-tiny", 2, 16, policies=("none", "msnorm"))
+    with pytest.raises(ActdesignError, match="optimizer must be one of adamw"):
+        estimate("gpt2-tiny", 2, 16, optimizer="sgd")
+    with pytest.raises(ActdesignError, match="precision must be one of"):
+        estimate("gpt2-tiny", 2, 16, precision="fp16")
 
 
 def test_parse_size():
