@@ -241,24 +241,32 @@ def _estimate_one(name, config, policy, batch, seq, precision, checkpointing, op
                       for k, v in inputs.items()}
         weights = _distinct((*model.parameters(), *model.buffers()))
         trainable = _distinct(p for p in model.parameters() if p.requires_grad)
-        live = _Live((*weights, *_distinct(inputs.values())))
-
-        def loss():
-            with forward_context(precision, "cpu"):
-                return models.loss_of(models.call(model, inputs))
-
         say("one training step")
-        with live:
-            saved, out = account(model, loss)
-            out.backward()
-            del out
-        grads = _distinct(p.grad for p in model.parameters() if p.grad is not None)
-        peak = live.peak(grads)
+        saved, peak = step(model, inputs, precision)
     state = OPTIMIZERS[optimizer][1]
     return Row(policy, saved.by_module, saved.total, saved.constant, peak,
                sum(t.untyped_storage().nbytes() for t in weights.values()),
                sum(t.untyped_storage().nbytes() for t in trainable.values()),
                state * sum(t.untyped_storage().nbytes() for t in trainable.values()))
+
+
+def step(model, inputs, precision) -> tuple:
+    """(SavedBytes, activation peak) of one forward and backward of `model` on `inputs`, fake
+    or real tensors alike: the peak is the most bytes alive at once of the storages the step
+    makes, the parameters' gradients aside."""
+    weights = _distinct((*model.parameters(), *model.buffers()))
+    live = _Live((*weights, *_distinct(inputs.values())))
+
+    def loss():
+        with forward_context(precision, "cpu"):
+            return models.loss_of(models.call(model, inputs))
+
+    with live:
+        saved, out = account(model, loss)
+        out.backward()
+        del out
+    grads = _distinct(p.grad for p in model.parameters() if p.grad is not None)
+    return saved, live.peak(grads)
 
 
 @contextlib.contextmanager
