@@ -25,7 +25,11 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -229,8 +233,19 @@ def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
 
 def _estimate_one(name, config, policy, batch, seq, precision, checkpointing, optimizer,
                   say) -> Row:
+    try:
+        return _estimate_fake(name, config, policy, batch, seq, precision, checkpointing,
+                              optimizer, say)
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        raise ActdesignError(f"model {name!r} cannot be estimated: it reads the values of a "
+                             f"tensor ({exc.func}), which fake tensors do not have") from None
+
+
+def _estimate_fake(name, config, policy, batch, seq, precision, checkpointing, optimizer,
+                   say) -> Row:
     with FakeTensorMode(), _unpacked_sequences():
-        model = models._from_config(name, config).train()
+        with _no_initialization():
+            model = models._from_config(name, config).train()
         if precision == "bf16":
             _to_bf16(model)
         if checkpointing:
@@ -267,6 +282,26 @@ def step(model, inputs, precision) -> tuple:
         del out
     grads = _distinct(p.grad for p in model.parameters() if p.grad is not None)
     return saved, live.peak(grads)
+
+
+@contextlib.contextmanager
+def _no_initialization():
+    """transformers' weight initialization skipped (fake tensors have no values to set, and
+    some initializations read them); the weights are still tied."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        yield
+        return
+    real = PreTrainedModel.__dict__.get("initialize_weights")
+    if real is None:
+        yield
+        return
+    PreTrainedModel.initialize_weights = lambda self: None
+    try:
+        yield
+    finally:
+        PreTrainedModel.initialize_weights = real
 
 
 @contextlib.contextmanager

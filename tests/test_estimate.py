@@ -44,6 +44,23 @@ def test_saved_bytes_match_profile(name, shape, precision, checkpointing):
     assert row.peak_bytes >= row.saved_bytes
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_vision_model_matches_profile(precision, checkpointing):
+    """ViT's weight initialization reads values: it is skipped on fake tensors."""
+    row = estimate("vit-tiny", 2, 1, precision, checkpointing=checkpointing).rows[0]
+    run = measured("vit-tiny", 2, 1, precision, checkpointing)
+    assert (row.saved_bytes, row.saved) == (run.total, run.saved)
+
+
+def test_tied_weights_count_once():
+    row = estimate("qwen2-tiny", 2, 16).rows[0]
+    model, _ = models.build("qwen2-tiny")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    n = sum(p.numel() for p in model.parameters())  # each tied parameter once
+    assert row.gradients_bytes == 4 * n
+
+
 def test_weights_gradients_and_adamw_state():
     result = runtime.estimate("llama-tiny", 2, 16)  # the Python entry point
     assert result.optimizer == "adamw"
