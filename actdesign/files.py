@@ -70,21 +70,18 @@ def _is_ours(path: Path, kind: str) -> bool:
         return first.decode("ascii", "replace") == module_header(rest)[:-1]
     if kind == "plot":
         return head.startswith(b"\x89PNG") and b"Software\x00" + PNG_SOFTWARE.encode() in head
-    if kind == "json":  # any of our JSON formats, or a profile's measurements
-        try:
-            data = json.loads(head)
-        except (ValueError, RecursionError):
-            return False
-        return isinstance(data, dict) and (
-            str(data.get("format", "")).startswith("actdesign.")
-            or {"model", "policy", "baseline", "compressed"} <= set(data))
-    prefix = {"spec": "actdesign.spec/", "policy": "actdesign.policy/",
-              "bits": "actdesign.bits/"}[kind]
     try:
         data = json.loads(head)
     except (ValueError, RecursionError):
         return False
-    return isinstance(data, dict) and str(data.get("format", "")).startswith(prefix)
+    if not isinstance(data, dict):
+        return False
+    form = str(data.get("format", ""))
+    if kind == "json":  # any of our JSON formats, or a profile's measurements
+        return form.startswith("actdesign.") or {"model", "policy", "baseline",
+                                                 "compressed"} <= set(data)
+    return form.startswith({"spec": "actdesign.spec/", "policy": "actdesign.policy/",
+                            "bits": "actdesign.bits/"}[kind])
 
 
 def module_header(body: bytes | str) -> str:

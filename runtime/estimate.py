@@ -37,7 +37,7 @@ from actdesign.errors import ActdesignError
 
 from . import models
 from .accounting import account, storage_key
-from .profile import OUTPUT_ROW, PRECISIONS, forward_context, size_unit
+from .profile import OUTPUT_ROW, _to, check_precision, forward_context, size_unit
 
 # optimizer -> (its name in the table, states per trainable parameter element); each state has
 # the parameter's dtype, as torch.optim.AdamW keeps them (float32 unless the weights are bf16).
@@ -195,9 +195,7 @@ def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
     not: saved bytes by module, activation peak, weights, gradients and `optimizer` state, and
     whether their sum fits in `gpu_memory` (bytes, or a size such as "24GiB") when given. One
     row per policy; only `none` (the uncompressed model) is estimated for now."""
-    if precision not in PRECISIONS:
-        raise ActdesignError(f"precision must be one of {', '.join(PRECISIONS)}, "
-                             f"got {precision!r}")
+    check_precision(precision)
     if optimizer not in OPTIMIZERS:
         raise ActdesignError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
                              f"got {optimizer!r}")
@@ -252,17 +250,15 @@ def _estimate_fake(name, config, policy, batch, seq, precision, checkpointing, o
             _checkpointing(name, model)
         inputs = models.example_batch(model, batch, seq)
         if precision == "bf16":
-            inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
-                      for k, v in inputs.items()}
+            inputs = _to(inputs, "cpu", torch.bfloat16)
         weights = _distinct((*model.parameters(), *model.buffers()))
         trainable = _distinct(p for p in model.parameters() if p.requires_grad)
         say("one training step")
         saved, peak = step(model, inputs, precision)
-    state = OPTIMIZERS[optimizer][1]
+    gradients = sum(t.untyped_storage().nbytes() for t in trainable.values())
     return Row(policy, saved.by_module, saved.total, saved.constant, peak,
-               sum(t.untyped_storage().nbytes() for t in weights.values()),
-               sum(t.untyped_storage().nbytes() for t in trainable.values()),
-               state * sum(t.untyped_storage().nbytes() for t in trainable.values()))
+               sum(t.untyped_storage().nbytes() for t in weights.values()), gradients,
+               OPTIMIZERS[optimizer][1] * gradients)
 
 
 def step(model, inputs, precision) -> tuple:

@@ -37,6 +37,13 @@ from .compress import Report, compress
 PRECISIONS = ("fp32", "bf16-autocast", "bf16")
 
 
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ActdesignError(f"precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {precision!r}")
+    return precision
+
+
 def default_precision(device: str) -> str:
     return "bf16-autocast" if device.startswith("cuda") else "fp32"
 
@@ -167,10 +174,7 @@ def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str
     and measure one training step of each on the same random batch, in `precision` (one of
     PRECISIONS; default: bf16-autocast on CUDA, fp32 on CPU). `progress(message)`, when given,
     hears each stage as it starts."""
-    precision = precision or default_precision(device)
-    if precision not in PRECISIONS:
-        raise ActdesignError(f"precision must be one of {', '.join(PRECISIONS)}, "
-                             f"got {precision!r}")
+    precision = check_precision(precision or default_precision(device))
     start = time.perf_counter()
 
     def say(message):

@@ -68,9 +68,8 @@ def _from_transformers(m: nn.Module) -> bool:
 def is_activation(m: nn.Module) -> bool:
     """An activation class, whether or not it computes a built-in (the report says why not):
     torch's, and transformers' (its activations module, and classes named like one)."""
-    return type(m) in _TORCH_ACTIVATIONS or type(m) in _OTHER_TORCH_ACTIVATIONS or (
+    return has_builtin(m) or type(m) in _OTHER_TORCH_ACTIVATIONS or (
         _from_transformers(m) and (type(m).__module__ == "transformers.activations"
-                                   or type(m).__name__ in _HF_ACTIVATIONS
                                    or _HF_ACTIVATION_NAME.search(type(m).__name__) is not None))
 
 
