@@ -301,15 +301,19 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
               help="fp32; bf16-autocast (float32 weights, the forward under bfloat16 "
                    "autocast); bf16 (bfloat16 weights and inputs).")
 @click.option("--policy", "-p", "policies", multiple=True, default=("none",),
-              show_default=True, help="Repeatable; only none (the uncompressed model) for now.")
+              show_default=True,
+              help="Repeatable, one row each: a preset, presets joined by '+' or a policy file.")
 @click.option("--checkpointing", is_flag=True, help="With gradient checkpointing.")
+@click.option("--lora", type=click.IntRange(1), metavar="RANK",
+              help="PEFT LoRA adapters of this rank on every Linear layer but the head; only "
+                   "they are trained.")
 @click.option("--gpu-memory", metavar="SIZE",
               help="Say whether the total fits in this much memory, such as 24GiB or 80GB.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
               metavar="FILE", help="Also write the estimate as JSON ('-': stdout only).")
 @_FORCE
-def estimate(model_name, batch, seq, precision, policies, checkpointing, gpu_memory, json_out,
-             force):
+def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, gpu_memory,
+             json_out, force):
     """Estimate the memory of one training step from a model's config, without its weights
     or a GPU: bytes saved for the backward by module, the activation peak, and weights,
     gradients and AdamW state. Progress goes to stderr."""
@@ -322,7 +326,7 @@ def estimate(model_name, batch, seq, precision, policies, checkpointing, gpu_mem
     _check_out(json_out if json_out != "-" else None, "json", force)
     size = parse_size(gpu_memory) if gpu_memory is not None else None
     result = run(model_name, batch, seq, precision, policies, checkpointing, gpu_memory=size,
-                 progress=lambda message: click.echo(message, err=True))
+                 progress=lambda message: click.echo(message, err=True), lora=lora)
     text = json.dumps(result.to_dict(), indent=1)
     if json_out == "-":
         click.echo(text)

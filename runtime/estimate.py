@@ -36,7 +36,9 @@ from torch.utils._pytree import tree_leaves
 from actdesign.errors import ActdesignError
 
 from . import models
+from . import policy as policy_mod
 from .accounting import account, storage_key
+from .compress import compress
 from .profile import OUTPUT_ROW, _to, check_precision, forward_context, size_unit
 
 # optimizer -> (its name in the table, states per trainable parameter element); each state has
@@ -90,12 +92,14 @@ class Estimate:
     checkpointing: bool
     optimizer: str
     gpu_memory: int | None
+    lora: int | None = None
     rows: list[Row] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"format": "actdesign.estimate", "model": self.model, "shape": self.shape,
                 "precision": self.precision,
-                "checkpointing": self.checkpointing, "optimizer": self.optimizer,
+                "checkpointing": self.checkpointing, "lora_rank": self.lora,
+                "optimizer": self.optimizer,
                 "gpu_memory_bytes": self.gpu_memory, "rows": [r.to_dict() for r in self.rows]}
 
     def table(self) -> str:
@@ -106,8 +110,9 @@ class Estimate:
             return f"{label[-47:]:<48}" + "".join(f"{v / scale:>{width},.2f}" for v in values)
 
         checkpointing = "with" if self.checkpointing else "without"
-        lines = [f"{self.model}, {self.shape}, {self.precision}, {checkpointing} gradient "
-                 "checkpointing: estimated on fake tensors",
+        lora = f", LoRA rank {self.lora} on every Linear layer" if self.lora else ""
+        lines = [f"{self.model}, {self.shape}, {self.precision}{lora}, {checkpointing} "
+                 "gradient checkpointing: estimated on fake tensors",
                  f"{'saved for backward, ' + unit:<48}"
                  + "".join(f"{r.policy:>{width}}" for r in self.rows)]
         patterns: dict[str, list[int]] = {}
@@ -189,22 +194,24 @@ def _distinct(tensors) -> dict[int, torch.Tensor]:
 
 def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
              policies=("none",), checkpointing: bool = False, optimizer: str = "adamw",
-             gpu_memory: int | str | None = None, progress=None) -> Estimate:
+             gpu_memory: int | str | None = None, progress=None,
+             lora: int | None = None) -> Estimate:
     """Estimate one training step of a model from its config (a name models.config_of takes)
     at `batch` x `seq`, in `precision` (one of PRECISIONS), with gradient checkpointing or
     not: saved bytes by module, activation peak, weights, gradients and `optimizer` state, and
     whether their sum fits in `gpu_memory` (bytes, or a size such as "24GiB") when given. One
-    row per policy; only `none` (the uncompressed model) is estimated for now."""
+    row per policy (a preset, presets joined by '+', a policy dict or file). With `lora`, a
+    rank: PEFT LoRA adapters of that rank on every Linear layer but the head (alpha 2 x rank,
+    no dropout), the adapters alone trained, compressed as the policy says."""
     check_precision(precision)
+    if lora is not None and not (isinstance(lora, int) and lora >= 1):
+        raise ActdesignError(f"the LoRA rank must be a positive integer, got {lora!r}")
     if optimizer not in OPTIMIZERS:
         raise ActdesignError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
                              f"got {optimizer!r}")
     policies = [policies] if isinstance(policies, str) else list(policies)
     for policy in policies:
-        if policy != "none":
-            raise ActdesignError(f"cannot estimate policy {policy!r}: estimate covers the "
-                                 "uncompressed model (--policy none) only for now; measure a "
-                                 "policy with `actdesign profile`")
+        policy_mod.load(policy)  # a bad policy refused before any model is built
     if isinstance(gpu_memory, str):
         gpu_memory = parse_size(gpu_memory)
     start = time.perf_counter()
@@ -221,31 +228,37 @@ def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
     for policy in policies:
         say(f"building {model_name} on fake tensors")
         rows.append(_estimate_one(model_name, config, policy, batch, seq, precision,
-                                  checkpointing, optimizer, say))
+                                  checkpointing, optimizer, lora, say))
         if gpu_memory is not None:
             rows[-1].fits = rows[-1].total_bytes <= gpu_memory
     vision = getattr(config, "image_size", None)
     shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision else f"sequence {seq}")
-    return Estimate(model_name, shape, precision, checkpointing, optimizer, gpu_memory, rows)
+    return Estimate(model_name, shape, precision, checkpointing, optimizer, gpu_memory, lora,
+                    rows)
 
 
-def _estimate_one(name, config, policy, batch, seq, precision, checkpointing, optimizer,
+def _estimate_one(name, config, policy, batch, seq, precision, checkpointing, optimizer, lora,
                   say) -> Row:
     try:
         return _estimate_fake(name, config, policy, batch, seq, precision, checkpointing,
-                              optimizer, say)
+                              optimizer, lora, say)
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
         raise ActdesignError(f"model {name!r} cannot be estimated: it reads the values of a "
                              f"tensor ({exc.func}), which fake tensors do not have") from None
 
 
-def _estimate_fake(name, config, policy, batch, seq, precision, checkpointing, optimizer,
+def _estimate_fake(name, config, policy, batch, seq, precision, checkpointing, optimizer, lora,
                    say) -> Row:
     with FakeTensorMode(), _unpacked_sequences():
-        with _no_initialization():
+        with _no_initialization(), _conversions_in_place():
             model = models._from_config(name, config).train()
-        if precision == "bf16":
-            _to_bf16(model)
+            if precision == "bf16":
+                model.to(torch.bfloat16)
+            if lora is not None:
+                model = _with_lora(name, model, lora)
+        if policy_mod.load(policy).rules:
+            say(f"compressing with {policy}")
+            compress(model, policy)
         if checkpointing:
             _checkpointing(name, model)
         inputs = models.example_batch(model, batch, seq)
@@ -321,21 +334,45 @@ def _unpacked_sequences():
         masking_utils.find_packed_sequence_indices = real
 
 
-def _to_bf16(model):
-    """model.to(torch.bfloat16) on fake tensors, whose parameters `to` cannot swap: each floating
-    parameter and buffer replaced by its bfloat16 copy, tied ones by the same copy."""
-    copies = {}
-    for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for key, t in store.items():
-                if t is None or not t.is_floating_point():
-                    continue
-                if id(t) not in copies:
-                    copy = t.detach().to(torch.bfloat16)
-                    if isinstance(t, torch.nn.Parameter):
-                        copy = torch.nn.Parameter(copy, t.requires_grad)
-                    copies[id(t)] = copy
-                store[key] = copies[id(t)]
+@contextlib.contextmanager
+def _conversions_in_place():
+    """Module.to, .float() and the like working on fake tensors, whose parameters torch's
+    own conversion cannot swap: each tensor replaced by its converted copy in every module
+    holding it (tied ones by one copy), as a parameter where it was one."""
+    def apply(self, fn, recurse=True):
+        copies = {}
+        for module in self.modules() if recurse else (self,):
+            for store in (module._parameters, module._buffers):
+                for key, t in store.items():
+                    if t is not None and id(t) not in copies:
+                        new = fn(t)
+                        if isinstance(t, torch.nn.Parameter) and new is not t:
+                            new = torch.nn.Parameter(new, t.requires_grad)
+                        copies[id(t)] = new
+                    if t is not None:
+                        store[key] = copies[id(t)]
+        return self
+
+    real = torch.nn.Module._apply
+    torch.nn.Module._apply = apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = real
+
+
+def _with_lora(name, model, rank):
+    try:
+        import peft
+    except ImportError:
+        raise ActdesignError("--lora needs PEFT: pip install peft") from None
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                             target_modules="all-linear")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as exc:
+        raise ActdesignError(f"model {name!r}: PEFT cannot add LoRA adapters: "
+                             f"{str(exc).splitlines()[0]}") from None
 
 
 def _checkpointing(name, model):

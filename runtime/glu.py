@@ -36,6 +36,7 @@ from actdesign.errors import ActdesignError
 from .accounting import hooked
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts
+from .fake import any_fake, on_host, real_copy
 from .models import same_draws
 from .quantized import QLinear, _QuantizedInput
 from .sharing import offer
@@ -118,8 +119,21 @@ def _lean(layer):
     return layer if is_lora_linear(layer) else LeanLinear.from_module(layer)
 
 
+# On fake tensors the check runs on a real copy, at full width: once per kind of MLP.
+_CHECKED_ON_COPIES = set()
+
+
 def _check_probe(mlp, new, gate):
     """The module's own forward against down(act(gate(x)) * up(x)) on random rows."""
+    if any_fake(mlp):
+        key = (type(mlp), new.act, *((n, p.shape, p.dtype) for n, p in mlp.named_parameters()))
+        if key not in _CHECKED_ON_COPIES:
+            with on_host():
+                real, real_new = real_copy(mlp, new)
+                _check_probe(real, real_new, real.gate_proj)
+                del real, real_new
+            _CHECKED_ON_COPIES.add(key)
+        return
     weight = next(p for p in gate.parameters() if p.is_floating_point())  # not a 4-bit one
     x = torch.randn(4, gate.in_features, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():  # the same dropout masks (a LoRA layer's) in both

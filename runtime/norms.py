@@ -21,6 +21,7 @@ from actdesign.codegen.render import render_norms
 from actdesign.errors import ActdesignError
 
 from .cache import generated
+from .fake import any_fake, on_host, real_copy
 from .quantized import _QuantizedInput
 from .sharing import offer_affine
 
@@ -217,6 +218,11 @@ def _probe_formula(norm: nn.Module):
     named = [float(v) for v in (getattr(norm, k, None) for k in ("eps", "variance_epsilon"))
              if isinstance(v, float | int) and not isinstance(v, bool)]
     candidates = list(dict.fromkeys(named + list(_EPS)))
+    with on_host():  # the probe is real, also for a norm on fake tensors
+        return _probe_values(norm, d, candidates, weight, bias)
+
+
+def _probe_values(norm, d, candidates, weight, bias):
     gen = torch.Generator().manual_seed(0)
     # rows whose variance and mean square are about each eps tried, so eps shows; an offset,
     # so the mean does
@@ -279,5 +285,7 @@ def _extra_inputs(norm: nn.Module) -> list[str]:
 
 
 def _float32_copy(norm: nn.Module) -> nn.Module:
-    """The norm in float32 on the CPU, for a probe; the model's own module is not touched."""
-    return copy.deepcopy(norm).to("cpu", torch.float32)
+    """The norm in float32 on the CPU, for a probe; the model's own module is not touched.
+    A norm on fake tensors gets real ones (the probe sets their values)."""
+    return (real_copy(norm)[0] if any_fake(norm) else copy.deepcopy(norm)).to("cpu",
+                                                                               torch.float32)

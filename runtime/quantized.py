@@ -19,6 +19,7 @@ from actdesign.errors import ActdesignError
 
 from .cache import generated
 from .compressed import CompressedConv2d, CompressedLinear, compressed_call
+from .fake import on_host
 from .sharing import whole
 
 
@@ -68,13 +69,15 @@ class _QuantizedInput:
     # numba kernels cannot be traced.
     @torch.compiler.disable
     def compress(self, x):
-        bits = self._sample_bits(x)
-        shared = getattr(whole(x), _SHARED, None)
-        if shared is not None and shared[:2] == (self.group_size, x._version) \
-                and torch.equal(shared[2][3], bits):
-            return shared[2]  # the producer's codes of this very tensor: kept once
+        with on_host():  # bits and seeds are the host's, on fake tensors too
+            bits = self._sample_bits(x)
+            shared = getattr(whole(x), _SHARED, None)
+            if shared is not None and shared[:2] == (self.group_size, x._version) \
+                    and torch.equal(shared[2][3], bits):
+                return shared[2]  # the producer's codes of this very tensor: kept once
+            seed = draw_seed(x.device)
         packed, lo, width = actnn_ops().quantize(x.detach().reshape(x.shape[0], -1), bits,
-                                                 draw_seed(x.device), self.group_size)
+                                                 seed, self.group_size)
         return packed, lo, width, bits
 
     def share(self, x, codes):

@@ -38,6 +38,7 @@ from actdesign.errors import ActdesignError
 
 from .cache import generated
 from .edits import BoundMethod, Edit
+from .fake import on_host
 from .targets import ROTARY as NAME
 from .targets import rotary_function_of
 
@@ -133,7 +134,12 @@ def _replacement_for(original):
 
 def _probe(original) -> bool:
     """Whether the original computes the standard rotation: the same values as ours, bit for
-    bit, on random float32 inputs."""
+    bit, on random float32 inputs (real ones, also in a shape-only run)."""
+    with on_host():
+        return _same_rotation(original)
+
+
+def _same_rotation(original) -> bool:
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(2))
     cos, sin = (torch.randn(2, 5, 8, generator=gen) for _ in range(2))

@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .accounting import observer
+from .accounting import observer, storage_key
 from .targets import linear_like
 
 # Calls that read only metadata.
@@ -169,12 +169,12 @@ def inputs_kept_elsewhere(model: torch.nn.Module, candidates: set, run) -> set:
     def pre(module, first):
         stack.append(module)
         if module in candidates and isinstance(first, torch.Tensor):
-            inputs[module] = first.untyped_storage().data_ptr()
+            inputs[module] = storage_key(first)
             alive.append(first)  # its address stays its own: no later storage reuses it
 
     def pack(t):
         owner = next((m for m in reversed(stack) if m in candidates), None)
-        savers.setdefault(t.untyped_storage().data_ptr(), set()).add(owner)
+        savers.setdefault(storage_key(t), set()).add(owner)
         return t
 
     with _module_hooks(model, pre, lambda module, output: stack.pop()), torch.enable_grad(), \
