@@ -15,7 +15,8 @@ the smallest of the 24, 48 and 80 GB GPUs (10**9 bytes) the total fits in. A set
 policy (none, llm, llm+actnn2, ...) with `checkpointing` and `lora` (PEFT LoRA of rank
 --lora-rank on every linear projection) added as parts of its name. Full-finetuning rows
 run in --precision (default bf16 autocast: float32 weights); LoRA rows with bfloat16
-weights. A setup the estimate refuses shows its error.
+weights. A setup the estimate refuses shows a note number; the notes, under the
+table, give the errors.
 """
 
 from __future__ import annotations
@@ -78,10 +79,14 @@ def run_setup(config: str, batch: int, seq: int, setup: str, precision: str, ran
         return " ".join(str(exc).split())
 
 
-def cell(row) -> str:
+def cell(row, errors: list[str]) -> str:
+    """A row's cell; an error's a note number, its text kept once in `errors`."""
     if isinstance(row, str):
-        return f"error: {row}"
-    fits = next((f"{gb} GB" for gb in GPUS_GB if row.total_bytes <= gb * 10**9), "> 80 GB")
+        if row not in errors:
+            errors.append(row)
+        return f"error [{errors.index(row) + 1}]"
+    fits = next((f"{gb} GB" for gb in GPUS_GB if row.total_bytes <= gb * 10**9),
+                f"> {GPUS_GB[-1]} GB")
     return f"{row.total_bytes / 2**30:.1f} ({row.peak_bytes / 2**30:.1f}), {fits}"
 
 
@@ -94,12 +99,16 @@ def results_table(args):
     for name in args.configs or NAMES:
         print(f"\n{name}")
         row = table(["setup", *args.shapes], args.markdown, width=26, first=20)
+        errors = []
         for setup in args.setups:
             start = time.perf_counter()
             cells = [cell(run_setup(config_path(name), b, s, setup, args.precision,
-                                    args.lora_rank)) for b, s in shapes]
+                                    args.lora_rank), errors) for b, s in shapes]
             row([setup, *cells])
-            print(f"  ({setup}: {time.perf_counter() - start:.1f} s)", file=sys.stderr)
+            print(f"  ({setup}: {time.perf_counter() - start:.1f} s)", file=sys.stderr,
+                  flush=True)
+        for i, error in enumerate(errors, 1):
+            print(f"[{i}] {error}")
 
 
 def check(args):
