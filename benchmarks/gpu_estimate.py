@@ -47,10 +47,10 @@ def parse_setup(setup: str) -> tuple[str, bool]:
 def build(name, policy, checkpointing, device):
     model, _ = models.build(name, seed=0)
     model.to(device).train()
-    if checkpointing:
-        _checkpointing(name, model)
     if policy != "none":
         compress(model, policy)
+    if checkpointing:  # after compress, as the estimate does
+        _checkpointing(name, model)
     return model
 
 
