@@ -309,11 +309,15 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
                    "they are trained.")
 @click.option("--gpu-memory", metavar="SIZE",
               help="Say whether the total fits in this much memory, such as 24GiB or 80GB.")
+@click.option("--kernels", type=click.Choice(["cuda", "cpu"]), default="cuda",
+              show_default=True,
+              help="Whose allocations the peak follows for actdesign's ops: their CUDA "
+                   "kernels' or their CPU paths'.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
               metavar="FILE", help="Also write the estimate as JSON ('-': stdout only).")
 @_FORCE
 def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, gpu_memory,
-             json_out, force):
+             kernels, json_out, force):
     """Estimate the memory of one training step from a model's config, without its weights
     or a GPU: bytes saved for the backward by module, the activation peak, and weights,
     gradients and AdamW state. Progress goes to stderr."""
@@ -326,7 +330,8 @@ def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, g
     _check_out(json_out if json_out != "-" else None, "json", force)
     size = parse_size(gpu_memory) if gpu_memory is not None else None
     result = run(model_name, batch, seq, precision, policies, checkpointing, gpu_memory=size,
-                 progress=lambda message: click.echo(message, err=True), lora=lora)
+                 progress=lambda message: click.echo(message, err=True), lora=lora,
+                 kernels=kernels)
     text = json.dumps(result.to_dict(), indent=1)
     if json_out == "-":
         click.echo(text)

@@ -25,6 +25,8 @@ set -u
 out=${1:-${OUT:-out}}
 stages=,${2:-gpu_check,estimate,runtime,llm_memory,lora_memory},
 mkdir -p "$out"
+# The device's Python may lack platformdirs (installed --no-deps): name the ops cache outright.
+export ACTDESIGN_CACHE_DIR=${ACTDESIGN_CACHE_DIR:-/tmp/actdesign-cache}
 python -m pip install --quiet --no-deps --no-build-isolation . || exit 2
 status=0
 stage() {  # stage NAME SECONDS COMMAND...: output to OUTDIR/NAME.txt and to the console

@@ -14,8 +14,9 @@ warm-up step; then one step (forward, loss, backward; no optimizer step) is meas
   alive at once, gradients aside), which torch's CPU allocator cannot tell;
 - the bytes saved for the backward, counted as `profile` counts them.
 The estimate runs the same model name, shape, precision, policy and checkpointing on fake
-tensors. A setup the estimate refuses shows a note number; the notes, under the table,
-give the errors.
+tensors, our ops allocating as their kernels on that device do (kernels="cuda" or "cpu").
+A setup the estimate refuses shows a note number; the notes, under the table, give the
+errors.
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ def main():
         if cuda:
             torch.cuda.empty_cache()
         try:
-            e = estimate(args.model, args.batch, args.seq, args.precision,
-                            policies=[policy], checkpointing=checkpointing).rows[0]
+            e = estimate(args.model, args.batch, args.seq, args.precision, policies=[policy],
+                         checkpointing=checkpointing, kernels="cuda" if cuda else "cpu").rows[0]
             est = [f"{e.peak_bytes / 2**20:,.1f}", f"{aside / e.peak_bytes:.3f}",
                    f"{saved / 2**20:,.1f}", f"{e.saved_bytes / 2**20:,.1f}",
                    f"{saved / e.saved_bytes:.3f}"]

@@ -13,7 +13,11 @@ rounding or caching, nor the optimizer step's temporaries. Weights, gradients an
 state are a line of their own; the total adds all of them to the activation peak, as if every
 gradient were alive at the peak (they all are when the optimizer steps).
 
-Only the uncompressed model (policy `none`) is estimated for now.
+Every policy is estimated: `compress` runs on the fake model as on a real one (its checks that
+compare numbers run on real copies of the modules they check; a fused loss's probe runs, but
+its value cannot be compared). Our ops launch no kernel on fake tensors; they allocate what
+their CUDA kernels allocate (`kernels="cuda"`, the default) or what their CPU paths do
+(`kernels="cpu"`, float32 working copies included), so the peak follows the step it estimates.
 """
 
 from __future__ import annotations
@@ -93,12 +97,14 @@ class Estimate:
     optimizer: str
     gpu_memory: int | None
     lora: int | None = None
+    kernels: str = "cuda"
     rows: list[Row] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"format": "actdesign.estimate", "model": self.model, "shape": self.shape,
                 "precision": self.precision,
                 "checkpointing": self.checkpointing, "lora_rank": self.lora,
+                "kernels": self.kernels,
                 "optimizer": self.optimizer,
                 "gpu_memory_bytes": self.gpu_memory, "rows": [r.to_dict() for r in self.rows]}
 
@@ -112,7 +118,8 @@ class Estimate:
         checkpointing = "with" if self.checkpointing else "without"
         lora = f", LoRA rank {self.lora} on every Linear layer" if self.lora else ""
         lines = [f"{self.model}, {self.shape}, {self.precision}{lora}, {checkpointing} "
-                 "gradient checkpointing: estimated on fake tensors",
+                 f"gradient checkpointing: estimated on fake tensors ({self.kernels.upper()} "
+                 "kernels)",
                  f"{'saved for backward, ' + unit:<48}"
                  + "".join(f"{r.policy:>{width}}" for r in self.rows)]
         patterns: dict[str, list[int]] = {}
@@ -149,10 +156,6 @@ class _Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.native_layer_norm.default and _mixed(args):
-            # the CPU kernel makes mean and rstd in float32 for a bfloat16 input with float32
-            # weights (autocast), the fake kernel in the input's dtype
-            out = (out[0], out[1].float(), out[2].float())
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)
@@ -183,6 +186,23 @@ class _Live(TorchDispatchMode):
         return peak
 
 
+class _CpuKernels(TorchDispatchMode):
+    """Fake kernels made to give what torch's CPU kernels give, where they differ."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float32:
+            # MoE experts: the CPU kernel takes float32, the fake one bfloat16 only
+            a, b, *rest = args
+            return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).float()
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten.native_layer_norm.default and _mixed(args):
+            # the CPU kernel makes mean and rstd in float32 for a bfloat16 input with float32
+            # weights (autocast), the fake kernel in the input's dtype
+            out = (out[0], out[1].float(), out[2].float())
+        return out
+
+
 def _mixed(args) -> bool:
     x, weight = args[0], args[2] if len(args) > 2 else None
     return weight is not None and weight.dtype == torch.float32 != x.dtype
@@ -192,23 +212,53 @@ def _distinct(tensors) -> dict[int, torch.Tensor]:
     return {storage_key(t): t for t in tensors}
 
 
+# the kernels whose allocations the activation peak follows, for our own ops (torch's own ops
+# are torch's CPU kernels either way: their allocations match CUDA's for a training step)
+KERNELS = ("cuda", "cpu")
+
+
+@dataclass
+class _Setup:
+    name: str
+    config: object
+    batch: int
+    seq: int
+    precision: str
+    checkpointing: bool
+    optimizer: str
+    lora: int | None
+    kernels: str
+
+
+class _ShapesOnly(FakeTensorMode):
+    """Fake tensors that tell our ops which kernels' allocations to follow."""
+
+    def __init__(self, kernels):
+        super().__init__()
+        self.cpu_kernels = kernels == "cpu"
+
+
 def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
              policies=("none",), checkpointing: bool = False, optimizer: str = "adamw",
              gpu_memory: int | str | None = None, progress=None,
-             lora: int | None = None) -> Estimate:
+             lora: int | None = None, kernels: str = "cuda") -> Estimate:
     """Estimate one training step of a model from its config (a name models.config_of takes)
     at `batch` x `seq`, in `precision` (one of PRECISIONS), with gradient checkpointing or
     not: saved bytes by module, activation peak, weights, gradients and `optimizer` state, and
     whether their sum fits in `gpu_memory` (bytes, or a size such as "24GiB") when given. One
     row per policy (a preset, presets joined by '+', a policy dict or file). With `lora`, a
     rank: PEFT LoRA adapters of that rank on every Linear layer but the head (alpha 2 x rank,
-    no dropout), the adapters alone trained, compressed as the policy says."""
+    no dropout), the adapters alone trained, compressed as the policy says. `kernels`: whose
+    allocations the peak follows for our ops, the CUDA kernels' (their outputs alone) or the
+    CPU paths' (their float32 working copies too)."""
     check_precision(precision)
     if lora is not None and not (isinstance(lora, int) and lora >= 1):
         raise ActdesignError(f"the LoRA rank must be a positive integer, got {lora!r}")
     if optimizer not in OPTIMIZERS:
         raise ActdesignError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
                              f"got {optimizer!r}")
+    if kernels not in KERNELS:
+        raise ActdesignError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     policies = [policies] if isinstance(policies, str) else list(policies)
     for policy in policies:
         policy_mod.load(policy)  # a bad policy refused before any model is built
@@ -224,54 +274,49 @@ def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
     if config is None:
         raise ActdesignError(f"model {model_name!r}: estimate builds a model from its config; "
                              "give a built-in, a local config.json or hf:<repo id>")
+    setup = _Setup(model_name, config, batch, seq, precision, checkpointing, optimizer, lora,
+                   kernels)
     rows = []
     for policy in policies:
         say(f"building {model_name} on fake tensors")
-        rows.append(_estimate_one(model_name, config, policy, batch, seq, precision,
-                                  checkpointing, optimizer, lora, say))
+        try:
+            rows.append(_estimate_fake(setup, policy, say))
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            raise ActdesignError(f"model {model_name!r} cannot be estimated: it reads the "
+                                 f"values of a tensor ({exc.func}), which fake tensors do not "
+                                 "have") from None
         if gpu_memory is not None:
             rows[-1].fits = rows[-1].total_bytes <= gpu_memory
     vision = getattr(config, "image_size", None)
     shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision else f"sequence {seq}")
     return Estimate(model_name, shape, precision, checkpointing, optimizer, gpu_memory, lora,
-                    rows)
+                    kernels, rows)
 
 
-def _estimate_one(name, config, policy, batch, seq, precision, checkpointing, optimizer, lora,
-                  say) -> Row:
-    try:
-        return _estimate_fake(name, config, policy, batch, seq, precision, checkpointing,
-                              optimizer, lora, say)
-    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        raise ActdesignError(f"model {name!r} cannot be estimated: it reads the values of a "
-                             f"tensor ({exc.func}), which fake tensors do not have") from None
-
-
-def _estimate_fake(name, config, policy, batch, seq, precision, checkpointing, optimizer, lora,
-                   say) -> Row:
-    with FakeTensorMode(), _unpacked_sequences():
+def _estimate_fake(setup: _Setup, policy, say) -> Row:
+    with _ShapesOnly(setup.kernels), _CpuKernels(), _unpacked_sequences():
         with _no_initialization(), _conversions_in_place():
-            model = models._from_config(name, config).train()
-            if precision == "bf16":
+            model = models._from_config(setup.name, setup.config).train()
+            if setup.precision == "bf16":
                 model.to(torch.bfloat16)
-            if lora is not None:
-                model = _with_lora(name, model, lora)
+            if setup.lora is not None:
+                model = _with_lora(setup.name, model, setup.lora)
         if policy_mod.load(policy).rules:
             say(f"compressing with {policy}")
             compress(model, policy)
-        if checkpointing:
-            _checkpointing(name, model)
-        inputs = models.example_batch(model, batch, seq)
-        if precision == "bf16":
+        if setup.checkpointing:
+            _checkpointing(setup.name, model)
+        inputs = models.example_batch(model, setup.batch, setup.seq)
+        if setup.precision == "bf16":
             inputs = _to(inputs, "cpu", torch.bfloat16)
         weights = _distinct((*model.parameters(), *model.buffers()))
         trainable = _distinct(p for p in model.parameters() if p.requires_grad)
         say("one training step")
-        saved, peak = step(model, inputs, precision)
+        saved, peak = step(model, inputs, setup.precision)
     gradients = sum(t.untyped_storage().nbytes() for t in trainable.values())
     return Row(policy, saved.by_module, saved.total, saved.constant, peak,
                sum(t.untyped_storage().nbytes() for t in weights.values()), gradients,
-               OPTIMIZERS[optimizer][1] * gradients)
+               OPTIMIZERS[setup.optimizer][1] * gradients)
 
 
 def step(model, inputs, precision) -> tuple:

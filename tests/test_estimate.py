@@ -1,5 +1,6 @@
 """`actdesign estimate`: one training step on fake tensors counts the saved bytes `profile`
-measures on real ones, allocates no weight, and refuses what it does not estimate yet."""
+measures on real ones, allocates no weight, and refuses bad input in one line (every policy:
+test_estimate_policies.py)."""
 
 import json
 
@@ -146,12 +147,13 @@ def run(capsys, *argv):
 def test_cli_table_and_json(capsys, tmp_path):
     out_file = tmp_path / "e.json"
     code, out, err = run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "2", "--seq",
-                         "16", "--policy", "none", "--checkpointing", "--gpu-memory", "24GiB",
-                         "--json", str(out_file))
+                         "16", "--policy", "none", "--policy", "llm+actnn2", "--checkpointing",
+                         "--gpu-memory", "24GiB", "--json", str(out_file))
     assert code == 0, err
     assert "activation peak" in out and "optimizer state (AdamW" in out and "yes" in out
     rows = json.loads(out_file.read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["none"]
+    assert [r["policy"] for r in rows] == ["none", "llm+actnn2"]
+    assert rows[1]["saved_bytes"] < rows[0]["saved_bytes"]
     keys = {"policy", "saved_bytes", "peak_bytes", "weights_bytes", "gradients_bytes",
             "optimizer_bytes", "total_bytes", "fits"}
     assert keys <= set(rows[0])
@@ -168,9 +170,30 @@ def test_cli_table_and_json(capsys, tmp_path):
     assert code == 2 and "pass --force" in err and out_file.read_text() == "{}"
 
 
+def test_policy_file_and_lora_from_the_cli(capsys, tmp_path):
+    from actdesign.runtime import policy
+
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(policy.load("fewbit3+msnorm").to_dict()))
+    code, out, err = run(capsys, "estimate", "--model", "llama-tiny", "--batch", "2", "--seq",
+                         "16", "--policy", str(path), "--policy", "fewbit3+msnorm", "--json",
+                         "-")
+    assert code == 0, err
+    a, b = json.loads(out)["rows"]
+    assert a["policy"] == str(path) and b["policy"] == "fewbit3+msnorm"
+    assert {k: v for k, v in a.items() if k != "policy"} == \
+        {k: v for k, v in b.items() if k != "policy"}
+    code, out, err = run(capsys, "estimate", "--model", "llama-tiny", "--batch", "2", "--seq",
+                         "16", "--precision", "bf16", "--lora", "4", "--json", "-")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["lora_rank"] == 4 and result["rows"][0]["gradients_bytes"] < 10**6
+
+
 @pytest.mark.parametrize("argv, words", [
-    (["--policy", "fewbit3"], "cannot estimate policy 'fewbit3'"),
-    (["--policy", "none", "--policy", "fewbit3+msnorm"], "only for now"),
+    (["--policy", "none", "--policy", "fewbit9"], "unknown policy 'fewbit9'"),
+    (["--policy", "missing.json"], "policy file 'missing.json' not found"),
+    (["--lora", "0"], "Invalid value for '--lora'"),
     (["--gpu-memory", "lots"], "cannot read the size 'lots'"),
     (["--model", "usermodels:build"], "from its config"),
 ])
@@ -188,8 +211,10 @@ def test_cli_refusals_are_one_line(capsys, tmp_path, argv, words):
 
 
 def test_python_refusals():
-    with pytest.raises(ActdesignError, match="only for now"):
-        estimate("gpt2-tiny", 2, 16, policies=("none", "msnorm"))
+    with pytest.raises(ActdesignError, match="unknown policy 'msnorm3'"):
+        estimate("gpt2-tiny", 2, 16, policies=("none", "msnorm3"))
+    with pytest.raises(ActdesignError, match="LoRA rank must be a positive integer"):
+        estimate("gpt2-tiny", 2, 16, lora=0)
     with pytest.raises(ActdesignError, match="optimizer must be one of adamw"):
         estimate("gpt2-tiny", 2, 16, optimizer="sgd")
     with pytest.raises(ActdesignError, match="precision must be one of"):
