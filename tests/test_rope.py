@@ -2,6 +2,7 @@
 attaches to (by behaviour, with nothing patched outside the module)."""
 
 import copy
+import importlib
 import inspect
 
 import pytest
@@ -11,6 +12,8 @@ from actdesign.errors import ActdesignError
 from actdesign.runtime import compress, models
 from actdesign.runtime.rope import _reference, attach_rotary, rotary
 from actdesign.runtime.targets import target_of
+
+rope_mod = importlib.import_module("actdesign.runtime.rope")
 
 pytest.importorskip("transformers")
 
@@ -110,7 +113,11 @@ def test_attached_attention_trains_as_eager(name, monkeypatch):
     # gradients differ by the backward's roundings only (one bf16 rounding where eager has
     # two), far below the gradients' own bf16 noise.
     kept, kept_ours = {}, {}
+    calls = []
+    monkeypatch.setattr(rope_mod, "_kernels", lambda *a, real=rope_mod._kernels: (
+        calls.append(1), real(*a))[1])
     (l0, g0), (l1, g1) = step(model, inputs, True, kept), step(ours, inputs, True, kept_ours)
+    assert len(calls) == model.config.num_hidden_layers  # the kernels ran, in every layer
     assert torch.equal(l0, l1)
     assert sum(kept_ours.values()) == sum(kept.values())  # the same bytes kept: no more
     assert_bf16_close(g1, g0)
