@@ -4,10 +4,16 @@ published configs (benchmarks/configs): no weights, no GPU.
     python benchmarks/estimate.py --check                 # speed and footprint at 8 x 4096
     python benchmarks/estimate.py --markdown              # the table for RESULTS.md
     python benchmarks/estimate.py --configs llama-3.1-8b --shapes 1x4096 --setups none llm
+    python benchmarks/estimate.py --layer                 # one full-width layer, built for real
 
 --check runs `actdesign estimate` at 8 x 4096 in bf16 autocast, each policy in a fresh
 process, and reports its wall time and peak resident memory against the goals (under 60 s,
 under 2 GiB): a peak far under the weights' bytes shows that no weight was allocated.
+
+--layer builds one decoder layer of the config (its vocabulary too) for real on this CPU and
+measures one training step at 1 x 256 against the estimate of the same one-layer config:
+saved bytes and activation peak, with our ops' CPU paths (kernels="cpu"), as the real step
+runs them.
 
 The table has one row per setup and one column per shape; a cell is the total (weights,
 gradients, AdamW state and the activation peak) in GiB, the activation peak in brackets, and
@@ -22,7 +28,6 @@ table, give the errors.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import subprocess
@@ -31,11 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import table  # noqa: E402
 
 from actdesign.errors import ActdesignError  # noqa: E402
-from actdesign.runtime.estimate import estimate  # noqa: E402
+from actdesign.runtime import compress, models  # noqa: E402
+from actdesign.runtime.estimate import estimate, step  # noqa: E402
 from actdesign.runtime.profile import PRECISIONS  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -67,14 +75,11 @@ def parse_setup(setup: str) -> tuple[str, bool, bool]:
 def run_setup(config: str, batch: int, seq: int, setup: str, precision: str, rank: int):
     """The estimate's row for one setup, or the one-line error it gave."""
     policy, checkpointing, lora = parse_setup(setup)
-    kwargs = {}
     if lora:
-        if "lora" not in inspect.signature(estimate).parameters:
-            return "this actdesign's estimate has no lora"
-        kwargs["lora"], precision = rank, "bf16"
+        precision = "bf16"
     try:
         return estimate(config, batch, seq, precision, policies=[policy],
-                        checkpointing=checkpointing, **kwargs).rows[0]
+                        checkpointing=checkpointing, lora=rank if lora else None).rows[0]
     except ActdesignError as exc:
         return " ".join(str(exc).split())
 
@@ -133,6 +138,41 @@ def check(args):
                  f"{rss / weights:.3f}", "met" if met else "missed"])
 
 
+def layer_check(args):
+    """One decoder layer at full width: the estimate against a real step on this CPU."""
+    name = (args.configs or ["llama-3.1-8b"])[0]
+    batch, seq = shape_of(args.layer_shape)
+    config = models.config_of(config_path(name))
+    config.num_hidden_layers = 1
+    print(f"{name}, one decoder layer (hidden {config.hidden_size}, FFN "
+          f"{config.intermediate_size}, vocabulary {config.vocab_size}), {batch} x {seq}: "
+          "one real training step on this CPU against the estimate (MiB); goal: within 1%")
+    row = table(["policy", "precision", "saved", "estimated", "ratio", "peak", "estimated",
+                 "ratio"], args.markdown, width=12, first=16)
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        for precision in ("fp32", "bf16-autocast"):
+            for policy in args.check_policies:
+                e = estimate(tmp, batch, seq, precision, [policy], kernels="cpu").rows[0]
+                saved, peak = real_step(tmp, config, policy, batch, seq, precision)
+                row([policy, precision, f"{saved / 2**20:,.2f}", f"{e.saved_bytes / 2**20:,.2f}",
+                     f"{saved / e.saved_bytes:.4f}", f"{peak / 2**20:,.2f}",
+                     f"{e.peak_bytes / 2**20:,.2f}", f"{peak / e.peak_bytes:.4f}"])
+
+
+def real_step(path, config, policy, batch, seq, precision):
+    """(saved bytes, activation peak) of one real training step after a warm-up one."""
+    torch.manual_seed(0)
+    model = models._from_config(path, config).train()
+    if policy != "none":
+        compress(model, policy, example_inputs=models.example_batch(model, 2, 8))
+    inputs = models.example_batch(model, batch, seq)
+    step(model, inputs, precision)  # the ops build their lookup tables once
+    model.zero_grad(set_to_none=True)
+    saved, peak = step(model, inputs, precision)
+    return saved.total, peak
+
+
 def fresh_estimate(config, batch, seq, precision, policy):
     """(wall seconds, peak resident bytes, the JSON row or the CLI's error line) of the CLI's
     estimate in a new Python process; os.wait4 gives that one child's own peak."""
@@ -168,9 +208,13 @@ def main():
     parser.add_argument("--check", action="store_true",
                         help="time and peak resident memory of the estimate itself")
     parser.add_argument("--check-shape", default="8x4096")
-    parser.add_argument("--check-policies", nargs="+", default=["none", "llm"])
+    parser.add_argument("--check-policies", nargs="+", default=["none", "llm"],
+                        help="of --check and --layer")
+    parser.add_argument("--layer", action="store_true",
+                        help="one decoder layer built for real against its estimate")
+    parser.add_argument("--layer-shape", default="1x256")
     args = parser.parse_args()
-    (check if args.check else results_table)(args)
+    (check if args.check else layer_check if args.layer else results_table)(args)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,12 @@ def measure(model, inputs, device, precision, repeats, emulate, snapshot=None, e
                 torch.cuda.memory._dump_snapshot(snapshot)
                 torch.cuda.memory._record_memory_history(enabled=None)
             if explain is not None:
-                explain.extend(at_peak(step))
+                try:
+                    explain.extend(at_peak(step))
+                except Exception as exc:  # noqa: BLE001  (seen: torch 2.11's history recorder
+                    # under checkpointing's recompute); the row's own figures stand
+                    explain.append(f"  (what is allocated at the peak: not measured, "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
         else:
             with LargestTemporary(model) as largest:
                 saved, out = account(model, loss_fn)

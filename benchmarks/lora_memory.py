@@ -16,12 +16,15 @@ model's own loss, backward and AdamW on the adapters. Columns:
 - saved: the bytes autograd keeps for the backward, and their ratio to PEFT's;
 - vs no LoRA: saved bytes against the same setup on the same model without adapters (all
   weights trainable): what the adapters' path adds (`--skip-full` leaves it out);
-- step time (median of `--repeats` after a warm-up) and the last loss.
+- step time (median of `--repeats` after a warm-up) and the last loss;
+- held before: CUDA memory still allocated when the row starts, after a garbage collection
+  (earlier rows' leftovers; the peak includes them).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import warnings
@@ -176,10 +179,12 @@ def main():
     for dropout in args.dropout:
         print(f"\nlora_dropout {dropout}")
         row = table(["setup", "peak MiB", "peak ratio", "saved MiB", "saved ratio",
-                     "vs no LoRA", "step ms", "time ratio", "last loss"], args.markdown,
-                    width=11, first=26)
+                     "vs no LoRA", "step ms", "time ratio", "last loss", "held before MiB"],
+                    args.markdown, width=11, first=26)
         base = None
         for setup in args.rows:
+            gc.collect()  # the last row's model and graph, in reference cycles or not
+            held = torch.cuda.memory_allocated() if cuda else 0  # should stay near 0
             model = build(name, setup, args.device, weights, dropout, args.rank,
                           four_bit=args.four_bit)
             if model is None:
@@ -197,7 +202,8 @@ def main():
             base = base or (peak, saved, seconds)
             row([setup, f"{peak / 2**20:,.1f}", f"{peak / base[0]:.3f}",
                  f"{saved / 2**20:,.1f}", f"{saved / base[1]:.3f}", alone,
-                 f"{seconds * 1e3:,.1f}", f"{seconds / base[2]:.2f}", f"{loss:.4f}"])
+                 f"{seconds * 1e3:,.1f}", f"{seconds / base[2]:.2f}", f"{loss:.4f}",
+                 f"{held / 2**20:,.1f}"])
             if cuda:
                 torch.cuda.empty_cache()
 
