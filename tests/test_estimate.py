@@ -188,6 +188,10 @@ def test_policy_file_and_lora_from_the_cli(capsys, tmp_path):
     assert code == 0, err
     result = json.loads(out)
     assert result["lora_rank"] == 4 and result["rows"][0]["gradients_bytes"] < 10**6
+    assert result["kernels"] == "cuda"
+    code, out, err = run(capsys, "estimate", "--model", "llama-tiny", "--batch", "2", "--seq",
+                         "16", "--kernels", "cpu", "--json", "-")
+    assert code == 0 and json.loads(out)["kernels"] == "cpu"
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -215,6 +219,8 @@ def test_python_refusals():
         estimate("gpt2-tiny", 2, 16, policies=("none", "msnorm3"))
     with pytest.raises(ActdesignError, match="LoRA rank must be a positive integer"):
         estimate("gpt2-tiny", 2, 16, lora=0)
+    with pytest.raises(ActdesignError, match="kernels must be one of cuda, cpu"):
+        estimate("gpt2-tiny", 2, 16, kernels="tpu")
     with pytest.raises(ActdesignError, match="optimizer must be one of adamw"):
         estimate("gpt2-tiny", 2, 16, optimizer="sgd")
     with pytest.raises(ActdesignError, match="precision must be one of"):
