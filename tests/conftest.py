@@ -65,3 +65,13 @@ def saved_storages(fn, x, params=()) -> dict:
 @pytest.fixture(scope="session")
 def saved():
     return saved_storages
+
+
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `actdesign *argv`, run in this process."""
+    from actdesign.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return info.value.code, out, err

@@ -9,18 +9,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from actdesign.cli import main
-
 sys.path.insert(0, os.path.dirname(__file__))
 from bounds import within  # noqa: E402
+from conftest import run_cli as run  # noqa: E402
 from conftest import synthetic_spec  # noqa: E402
-
-
-def run(capsys, *argv):
-    with pytest.raises(SystemExit) as info:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return info.value.code, out, err
 
 
 def test_list(capsys):

@@ -9,8 +9,7 @@ import sys
 import textwrap
 
 import pytest
-
-from actdesign.cli import main
+from conftest import run_cli as run
 
 USER_CODE = textwrap.dedent('''
     import torch
@@ -40,13 +39,6 @@ def user(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     return tmp_path
-
-
-def run(capsys, *argv):
-    with pytest.raises(SystemExit) as info:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return info.value.code, out, err
 
 
 def test_profile_user_model_table_json_and_plot(capsys, user):

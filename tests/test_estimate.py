@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from conftest import run_cli as run
 from torch._subclasses.fake_tensor import FakeTensor
 
 from actdesign import runtime
-from actdesign.cli import main
 from actdesign.errors import ActdesignError
 from actdesign.runtime import models
 from actdesign.runtime import profile as profile_mod
@@ -135,13 +135,6 @@ def test_full_size_config_is_fast_and_allocates_nothing(tmp_path):
     assert row.weights_bytes > 2 * 10**9
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 500 * 1024
     assert row.fits is False  # weights, gradients and AdamW state alone are 4 x 2.4e9 bytes
-
-
-def run(capsys, *argv):
-    with pytest.raises(SystemExit) as info:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return info.value.code, out, err
 
 
 def test_cli_table_and_json(capsys, tmp_path):
