@@ -260,8 +260,7 @@ def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
     if kernels not in KERNELS:
         raise ActdesignError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     policies = [policies] if isinstance(policies, str) else list(policies)
-    for policy in policies:
-        policy_mod.load(policy)  # a bad policy refused before any model is built
+    loaded = [policy_mod.load(p) for p in policies]  # a bad one refused before any build
     if isinstance(gpu_memory, str):
         gpu_memory = parse_size(gpu_memory)
     start = time.perf_counter()
@@ -277,10 +276,10 @@ def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
     setup = _Setup(model_name, config, batch, seq, precision, checkpointing, optimizer, lora,
                    kernels)
     rows = []
-    for policy in policies:
+    for name, policy in zip(policies, loaded, strict=True):
         say(f"building {model_name} on fake tensors")
         try:
-            rows.append(_estimate_fake(setup, policy, say))
+            rows.append(_estimate_fake(setup, name, policy, say))
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
             raise ActdesignError(f"model {model_name!r} cannot be estimated: it reads the "
                                  f"values of a tensor ({exc.func}), which fake tensors do not "
@@ -293,7 +292,7 @@ def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
                     kernels, rows)
 
 
-def _estimate_fake(setup: _Setup, policy, say) -> Row:
+def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say) -> Row:
     with _ShapesOnly(setup.kernels), _CpuKernels(), _unpacked_sequences():
         with _no_initialization(), _conversions_in_place():
             model = models._from_config(setup.name, setup.config).train()
@@ -301,8 +300,8 @@ def _estimate_fake(setup: _Setup, policy, say) -> Row:
                 model.to(torch.bfloat16)
             if setup.lora is not None:
                 model = _with_lora(setup.name, model, setup.lora)
-        if policy_mod.load(policy).rules:
-            say(f"compressing with {policy}")
+        if policy.rules:
+            say(f"compressing with {policy.label}")
             compress(model, policy)
         if setup.checkpointing:
             _checkpointing(setup.name, model)
@@ -314,7 +313,7 @@ def _estimate_fake(setup: _Setup, policy, say) -> Row:
         say("one training step")
         saved, peak = step(model, inputs, setup.precision)
     gradients = sum(t.untyped_storage().nbytes() for t in trainable.values())
-    return Row(policy, saved.by_module, saved.total, saved.constant, peak,
+    return Row(name, saved.by_module, saved.total, saved.constant, peak,
                sum(t.untyped_storage().nbytes() for t in weights.values()), gradients,
                OPTIMIZERS[setup.optimizer][1] * gradients)
 

@@ -1,8 +1,9 @@
 """Shape-only runs: a model on fake tensors (torch's FakeTensorMode), as `estimate` runs one.
 
 Fake tensors have shapes, dtypes and storage sizes but no values. On them the ops' kernels
-are not launched (a generated module's backend is "fake": its outputs allocated, nothing
-computed); what must stay real stays real: host-side bookkeeping (bit layouts, seeds) runs
+are not launched (a generated module's backend is "fake": its Triton path's tensors are
+allocated, or with the mode's `cpu_kernels` its CPU path's; nothing is computed); what must
+stay real stays real: host-side bookkeeping (bit layouts, seeds) runs
 `on_host`, and the checks `compress` makes by comparing numbers run on a real stand-in
 (`real_copy`) of the modules they check.
 """
