@@ -41,6 +41,7 @@ from .lora import LeanLoRA, plan_lora
 from .norms import _QMSNorm, ms_norm
 from .pooled import PooledConv2d
 from .quantized import InputCodes, QConv2d, QLinear
+from .recompute import is_checkpoint_forward, plan_checkpoint
 from .rope import is_rotary_forward, plan_rotary
 from .sparse import SparseConv2d, SparseLinear
 from .tables import table
@@ -189,6 +190,11 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
                 report.replaced.append(Change(name, type(m).__name__, "rotary embedding in "
                                               "one kernel per tensor (CUDA, autocast)"))
                 continue
+            if rule.apply == "checkpoint":  # the block stays; its forward is recomputed
+                edits.append(plan_checkpoint(m))
+                report.replaced.append(Change(name, type(m).__name__,
+                                              "recomputed in backward (checkpoint)"))
+                continue
             new[m], what = _replacement(name, m, rule, codes, sharing)
         except ActdesignError as exc:
             report.skipped.append((name or "(model)", type(m).__name__, str(exc)))
@@ -267,8 +273,12 @@ def match(model, policy, inputs=None) -> tuple[dict, list, dict]:
     edits)} for the causal LMs whose fused loss is planned, on `inputs` where given).
 
     A gated MLP or a causal LM's head that its rule refuses is reported, and its parts are
-    matched by the other rules in the same pass: a second compress finds nothing to do."""
+    matched by the other rules in the same pass: a second compress finds nothing to do. A
+    block recomputed leaves its parts to their own rules; a block inside one is refused (it
+    would be recomputed twice over)."""
     chosen, skipped, planned = {}, [], {}
+    modules = dict(model.named_modules())
+    recomputed = []  # the blocks recomputed, now or by an earlier compress
     # What these modules hold is planned with them, or left alone with them: a chosen gated
     # MLP's layers (but LoRA layers on them), a LoRA layer's base and adapters, what a PEFT
     # layer compress does not support holds, a TorchScript module's parts; a fused loss's head.
@@ -286,13 +296,21 @@ def match(model, policy, inputs=None) -> tuple[dict, list, dict]:
             owners.append(name)
             if isinstance(m.__dict__.get("forward"), LeanLoRA):
                 continue  # lean already
-        target = target_of(m)
+        target = target_of(m, modules.get(name.rpartition(".")[0]) if name else None)
         if target is None or id(m) in heads:
             continue
+        if target == "block" and is_checkpoint_forward(m.__dict__.get("forward")):
+            recomputed.append(name)
+            continue  # recomputed already; its parts are matched below
         if target == "head" and isinstance(m.get_output_embeddings(), FusedLossHead):
             continue  # fused already
         rule = _first_rule(policy, name, m, target)
         if rule is None or rule.apply == "keep":
+            continue
+        outer = next((b for b in recomputed if name.startswith(b + ".")), None)
+        if rule.apply == "checkpoint" and outer is not None:
+            skipped.append((name, type(m).__name__, f"inside {outer}, which is recomputed "
+                            "already"))
             continue
         if not name and target != "head":
             skipped.append(("(model)", type(m).__name__, "compress replaces submodules: "
@@ -308,6 +326,8 @@ def match(model, policy, inputs=None) -> tuple[dict, list, dict]:
             skipped.append((name or "(model)", type(m).__name__, str(exc)))
             continue
         chosen[name] = (m, rule)
+        if rule.apply == "checkpoint":
+            recomputed.append(name)
         if target == "glu":
             glus.add(name)
             owners.append(name)
@@ -338,7 +358,8 @@ def _ours(m) -> bool:
     """A module a compress made, or gave a forward of ours."""
     forward = m.__dict__.get("forward")
     return type(m).__module__.startswith(("actdesign.", "actdesign_ops_")) \
-        or isinstance(forward, LeanLoRA) or is_rotary_forward(forward)
+        or isinstance(forward, LeanLoRA) or is_rotary_forward(forward) \
+        or is_checkpoint_forward(forward)
 
 
 def _first_rule(policy, name, m, target):

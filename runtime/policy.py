@@ -11,6 +11,14 @@ each module the first matching rule wins, so a `keep` rule placed first excludes
       {"target": "linear", "apply": "actnn", "bits": 2}
     ]}
 
+A `block` is a unit of recomputation: an element of an nn.ModuleList (a transformer layer,
+`model.layers.3`) or an element with parameters and submodules of its own of an nn.Sequential
+(a CNN stage), unless it is a target of another kind. No preset names blocks. `checkpoint`
+recomputes the blocks a rule names in the backward, keeping only their inputs; the modules
+inside them are still compressed by their own rules, and the recompute is exact:
+
+    {"target": "block", "name": "model.layers.*", "apply": "checkpoint"}
+
 A policy is given as a preset name (`fewbit3`), presets joined by `+` (`fewbit3+msnorm`), a
 dict, a Policy, or a JSON file. Files are data only: a spec named in a rule is a path to a
 spec file (relative to the policy file), a built-in table name (`gelu3`: the 3-bit stepwise
@@ -29,7 +37,7 @@ from actdesign.errors import ActdesignError
 from actdesign.files import read_json, write_atomic
 
 FORMAT = "actdesign.policy/1"
-TARGETS = ("activation", "norm", "linear", "conv2d", "glu", "attention", "head")
+TARGETS = ("activation", "norm", "linear", "conv2d", "glu", "attention", "head", "block")
 # apply -> (targets it applies to, {option: default})
 METHODS = {
     "keep": (TARGETS, {}),
@@ -43,6 +51,7 @@ METHODS = {
     "msglu": (("glu",), {}),
     "rope": (("attention",), {}),
     "fused_ce": (("head",), {"chunk_size": None}),
+    "checkpoint": (("block",), {}),
 }
 PRESETS = {
     "none": [],

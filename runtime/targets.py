@@ -183,10 +183,10 @@ def is_rotary_attention(m: nn.Module) -> bool:
         and rotary_function_of(m) is not None
 
 
-def target_of(m: nn.Module) -> str | None:
+def target_of(m: nn.Module, parent: nn.Module | None = None) -> str | None:
     """'activation', 'norm', 'linear' (a PEFT LoRA layer too), 'conv2d', 'glu', 'attention'
-    (rotary), 'head' (a causal LM, whose loss and head are one), or None for a module no
-    policy touches."""
+    (rotary), 'head' (a causal LM, whose loss and head are one), 'block' (see `is_block`;
+    `parent` holds m), or None for a module no policy touches."""
     if is_causal_lm(m):
         return "head"
     if is_gated_mlp(m):
@@ -201,7 +201,21 @@ def target_of(m: nn.Module) -> str | None:
         return "norm"
     if is_activation(m):
         return "activation"
+    if is_block(m, parent):  # last: a module of another kind keeps that kind
+        return "block"
     return None
+
+
+def is_block(m: nn.Module, parent: nn.Module | None) -> bool:
+    """A unit of recomputation: an element of an nn.ModuleList (a transformer's layers), or an
+    element of an nn.Sequential with parameters and submodules of its own (a CNN's stages);
+    one that has a forward (a list in a list has none)."""
+    if type(m).forward is nn.Module.forward:
+        return False
+    if isinstance(parent, nn.ModuleList):
+        return True
+    return isinstance(parent, nn.Sequential) and next(m.children(), None) is not None \
+        and next(m.parameters(), None) is not None
 
 
 def linear_like(m: nn.Module) -> bool:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from actdesign.runtime import account, compress, models
+from actdesign.runtime import policy as policy_mod
 
 HERE = Path(__file__).parent
 
@@ -50,7 +51,13 @@ def lora_lm():
 
 
 CASES = {"fewbit3": mlp, "regelu2": mlp, "msnorm": mlp, "actnn2": mlp, "backrazor90": mlp,
-         "pooled2": convnet, "llm": causal_lm, "llm+actnn2": causal_lm, "peft-llm": lora_lm}
+         "pooled2": convnet, "llm": causal_lm, "llm+actnn2": causal_lm, "peft-llm": lora_lm,
+         "recomputed-llm+actnn2": causal_lm}
+# cases whose policy is not their name: the decoder layers recomputed, on top of llm+actnn2
+POLICIES = {"peft-llm": "llm",
+            "recomputed-llm+actnn2": {"rules": [
+                *policy_mod.load("llm+actnn2").to_dict()["rules"],
+                {"target": "block", "apply": "checkpoint"}]}}
 
 
 def train(model, inputs) -> dict:
@@ -86,7 +93,7 @@ torch.save(train(model, inputs), sys.argv[4])
 def test_a_pickled_compressed_model_trains_in_a_fresh_process_with_an_empty_cache(
         preset, tmp_path):
     model, inputs = CASES[preset]()
-    policy = "llm" if preset == "peft-llm" else preset
+    policy = POLICIES.get(preset, preset)
     report = compress(model, policy, None if isinstance(inputs, dict) else inputs)
     assert report.replaced
     torch.save(model, tmp_path / "model.pt")

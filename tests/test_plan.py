@@ -9,15 +9,18 @@ import pytest
 import torch
 from torch import nn
 
-from actdesign.runtime import compress, edits, glu, lm_loss, models, norms, rope
+from actdesign.runtime import compress, edits, glu, lm_loss, models, norms, policy, rope
 
 compress_module = importlib.import_module("actdesign.runtime.compress")
 
 pytest.importorskip("transformers")
 
 CASES = [("llama-tiny", "llm+actnn2"), ("gpt2-tiny", "fewbit3+msnorm+actnn2")]
-# and a PEFT LoRA model, whose layers get instance forwards and new base layers
-APPLIED = CASES + [("llama-tiny+lora", "llm+actnn2")]
+# and a PEFT LoRA model, whose layers get instance forwards and new base layers; and the
+# decoder layers recomputed, which get instance forwards too
+RECOMPUTED = {"rules": [*policy.load("llm+actnn2").to_dict()["rules"],
+                        {"target": "block", "apply": "checkpoint"}]}
+APPLIED = CASES + [("llama-tiny+lora", "llm+actnn2"), ("llama-tiny", RECOMPUTED)]
 # Every function that runs the model, a part of it or a module's code on a probe.
 PROBES = [(compress_module, "account"), (compress_module, "inputs_kept_elsewhere"),
           (compress_module, "norm_consumers"), (models, "call"), (lm_loss, "_probe_losses"),
