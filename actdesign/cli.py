@@ -376,6 +376,89 @@ def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
     click.echo(f"wrote {out}: {len(result.policy.rules)} rules")
 
 
+@cli.command("plan")
+@click.option("--model", "-m", "model_name", required=True, help=_MODEL_HELP
+              + " A local Hugging Face directory with safetensors weights is calibrated on "
+                "those weights.")
+@click.option("--batch", type=click.IntRange(1), required=True, help="Training batch size.")
+@click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
+              help="Training sequence length (text models).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
+              default="bf16-autocast", show_default=True)
+@click.option("--budget", required=True, metavar="SIZE|FRACTION",
+              help="The activation peak allowed: a size such as 20GiB or 12.5MiB, or a "
+                   "fraction of the uncompressed model's saved bytes such as 0.35.")
+@click.option("--data", metavar="MODULE:FUNCTION",
+              help="package.module:function or file.py:function returning an iterable of "
+                   "calibration batches [random tokens in the model's vocabulary].")
+@click.option("--calibration-batches", type=click.IntRange(1, 64), default=4,
+              show_default=True, help="Random calibration batches, without --data.")
+@click.option("--calibration-shape", type=(click.IntRange(1), click.IntRange(1)),
+              default=(2, 128), show_default=True, metavar="BATCH SEQ",
+              help="Their shape, without --data.")
+@click.option("--max-slowdown", type=click.FloatRange(1), default=1.10, show_default=True,
+              help="The step time allowed, against the lossless policy's (modelled).")
+@click.option("--device", "device_name", default="h200", show_default=True,
+              help="The GPU whose FLOP rate and bandwidth model the time: "
+                   "h100, h200, a100, l40s or rtx4090.")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), required=True,
+              help="Write the planned policy here (compress and estimate accept it).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write the report: predicted bytes, peak and error, per site.")
+@click.option("--plot", type=click.Path(dir_okay=False), metavar="PNG",
+              help="Also draw the error-memory front, with the presets marked.")
+@_FORCE
+def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batches,
+             calibration_shape, max_slowdown, device_name, out, json_out, plot, force):
+    """Plan the least gradient error that fits a memory budget: every site's method and bits,
+    and which blocks to recompute, from exact shape-only steps at the training shape and
+    gradient errors measured on calibration batches. Progress goes to stderr."""
+    import json
+
+    from .files import write_atomic
+    from .runtime import models as model_mod
+    from .runtime import planner
+    from .runtime.policy import save
+
+    _check_out(out, "policy", force)
+    for path, kind in ((json_out, "json"), (plot, "plot")):
+        _check_out(path, kind, force)
+    if device_name not in planner.DEVICES:
+        raise ActdesignError(f"--device must be one of {', '.join(planner.DEVICES)}, "
+                             f"got {device_name!r}")
+
+    def say(message):
+        click.echo(message, err=True)
+
+    model, make_batch = model_mod.build(model_name, say=say)
+    trained = model_mod.with_weights(model_name, model)
+    model = (trained or model).float().train()
+    if data is not None:
+        batches = list(_batches(model_mod.load_callable(data, "data"), data))
+        calibration = f"{len(batches)} batches of {data}"
+    else:
+        b, s = calibration_shape
+        batches = [model_mod.example_batch(model, b, s, make_batch, seed=1 + i)
+                   for i in range(calibration_batches)]
+        calibration = (f"{calibration_batches} batches of random tokens in the model's "
+                       f"vocabulary ({b} x {s}), no --data")
+    calibration += ", on its trained weights" if trained is not None else \
+        ", on random weights (no trained weights given)"
+    example = model_mod.example_batch(model, batch, seq, make_batch)
+    result = planner.plan(model, batches, budget, example_inputs=example, precision=precision,
+                          max_slowdown=max_slowdown, device=device_name,
+                          calibration=calibration, progress=say)
+    click.echo(result.table())
+    save(result.policy, out)
+    click.echo(f"wrote {out}")
+    if json_out is not None:
+        write_atomic(json_out, json.dumps(result.report(), indent=1) + "\n")
+        click.echo(f"wrote {json_out}")
+    if plot is not None:
+        planner.draw_front(result, model, batches, example, precision, plot, progress=say)
+        click.echo(f"wrote {plot}")
+
+
 def _batches(function, name):
     made = function()
     try:

@@ -23,6 +23,7 @@ their CUDA kernels allocate (`kernels="cuda"`, the default) or what their CPU pa
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import time
 import weakref
@@ -35,7 +36,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from actdesign.errors import ActdesignError
 
@@ -316,6 +317,33 @@ def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say) -> Row:
     return Row(name, saved.by_module, saved.total, saved.constant, peak,
                sum(t.untyped_storage().nbytes() for t in weights.values()), gradients,
                OPTIMIZERS[setup.optimizer][1] * gradients)
+
+
+def fake_step(model, example, policy: policy_mod.Policy, precision: str,
+              kernels: str = "cuda", counter=None) -> tuple:
+    """(SavedBytes, activation peak) of one training step of a copy of `model` (the given
+    module, untouched) on fake tensors, compressed by `policy`, on inputs shaped as `example`
+    (real tensors: a tensor, a tuple or a dict). `counter`, a dispatch mode such as torch's
+    FlopCounterMode, watches the step."""
+    mode = _ShapesOnly(kernels)
+    memo = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in memo:
+            fake = mode.from_tensor(t.detach())
+            memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) \
+                if isinstance(t, torch.nn.Parameter) else fake
+    inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                      example)
+    with mode, _CpuKernels(), _unpacked_sequences():
+        copy_ = copy.deepcopy(model, memo).train()
+        if precision == "bf16":
+            with _conversions_in_place():
+                copy_.to(torch.bfloat16)
+            inputs = _to(inputs, "cpu", torch.bfloat16)
+        if policy.rules:
+            compress(copy_, policy)
+        with counter if counter is not None else contextlib.nullcontext():
+            return step(copy_, inputs, precision)
 
 
 def step(model, inputs, precision) -> tuple:

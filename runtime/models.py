@@ -152,6 +152,20 @@ def _from_config(name, config):
                          f"({type(config).__name__})")
 
 
+def with_weights(name: str, model):
+    """`model` with the trained weights of the local Hugging Face directory `name`, when it
+    holds safetensors weights (no pickle is read); None otherwise."""
+    path = Path(name)
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        return None
+    try:
+        return type(model).from_pretrained(str(path), local_files_only=True,
+                                           use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        raise ActdesignError(f"model {name!r}: cannot load its weights: "
+                             f"{str(exc).splitlines()[0]}") from None
+
+
 def load_callable(ref: str, what: str):
     """The function named by `package.module:function` or `file.py:function`."""
     module_name, sep, attr = ref.rpartition(":")

@@ -17,18 +17,21 @@ from actdesign.errors import ActdesignError
 
 from .compressed import CompressedConv2d, CompressedLinear
 
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+def _bits(device) -> torch.Tensor:
+    """Each bit's value in a byte (made where it is used: under a shape-only run too)."""
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """A bool tensor as ceil(n/8) bytes, element i at bit i % 8 of byte i // 8."""
     flat = mask.reshape(-1)
     padded = F.pad(flat.to(torch.uint8), (0, -flat.numel() % 8)).view(-1, 8)
-    return (padded * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+    return (padded * _bits(mask.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
-    bits = packed[:, None] & _BITS.to(packed.device)
+    bits = packed[:, None] & _bits(packed.device)
     return (bits != 0).view(-1)[:n]
 
 
@@ -40,9 +43,12 @@ class SparseCopy:
         flat = x.detach().reshape(samples, -1)
         keep = max(1, math.ceil((1 - ratio) * flat.shape[1])) if flat.shape[1] else 0
         mask = torch.zeros(flat.shape, dtype=torch.bool, device=x.device)
-        if keep:
-            mask.scatter_(1, flat.abs().topk(keep, dim=1).indices, True)
-        values = flat[mask].view(samples, keep)  # row-major: each sample's kept values
+        index = flat.abs().topk(keep, dim=1).indices.sort(dim=1).values if keep else \
+            torch.zeros(samples, 0, dtype=torch.long, device=x.device)
+        mask.scatter_(1, index, True)
+        # row-major: each sample's kept values (a gather, not flat[mask]: the shapes are known
+        # without the values, so a shape-only step can run it)
+        values = flat.gather(1, index)
         self.shape, self.dtype, self.int8 = x.shape, x.dtype, int8
         self.mask = pack_mask(mask)
         if int8:  # symmetric 8-bit, one scale per sample

@@ -1,0 +1,653 @@
+"""`plan`: the compression of every site of a model with the least gradient error whose
+training step fits a memory budget.
+
+A site is a place a lossy method can act: an activation, or the Linear/Conv layers that read
+one tensor (q, k and v read one normed input: one site, since they share its codes). A block
+(a layer of the model's layer list) is a unit of recomputation. The lossless methods (`llm`:
+MS norms, MS-GLU, RoPE, the fused loss, lean layers) apply wherever they can, at no cost.
+
+Each site's options are priced three ways:
+- bytes: one shape-only step (`estimate`'s fake tensors, at the target shape) per class of
+  sites (the same site in every block) and option; a site's bytes are the change in the
+  saved bytes of its block. A block's recomputation keeps its input (one more step with
+  every block recomputed). The plan's peak is then checked by a shape-only step of the
+  planned policy itself, and a plan over the budget is planned again under a budget lowered
+  by the excess, so the peak reported is the exact one.
+- gradient error: what the option adds to E‖ĝ − g‖² / E‖g‖² of the parameter gradient, on
+  the calibration batches and the model's weights, dropout off (its noise is not the
+  method's), against the lossless model's gradient. One forward and backward per batch for
+  the reference, and one per option of each site kind with every site of that kind
+  compressed: an activation's error reaches every parameter before it, a layer's codes
+  only its own weight's gradient (and the norm sharing them). A kind's measured error is
+  split among its sites by what each adds locally: ‖δ‖² of the activation's input gradient,
+  the layer's own weight gradient error. Errors of different sites add (unbiased or
+  independent errors: their cross terms vanish in expectation).
+- time: modelled from a named device's peak FLOP rate and memory bandwidth: a recomputed
+  block costs its forward's FLOPs (a third of its step's), a lossy option the bytes it
+  moves (reading the input and writing its codes, then reading the codes and writing the
+  input back).
+The choice is designer.plan's exact solver.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from actdesign.designer import plan as solver  # noqa
+from actdesign.errors import ActdesignError
+
+from . import models
+from . import policy as policy_mod
+from .compress import compress, match
+from .sharing import whole
+from .targets import activation_name, target_of
+
+LOSSLESS = "llm"
+# site kind -> its options after `keep`, as (method, options)
+OPTIONS = {
+    "activation": [("fewbit", {"bits": b}) for b in (1, 2, 3, 4)] + [("pwl", {"bits": 2})],
+    "linear": [("actnn", {"bits": b}) for b in range(1, 9)]
+    + [("backrazor", {"ratio": r}) for r in (0.5, 0.9)],
+}
+OPTIONS["conv2d"] = OPTIONS["linear"] + [("pooled", {"pool": 2})]
+# name -> (peak dense bf16 FLOP/s, memory bandwidth in bytes/s), from the vendors' sheets
+DEVICES = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12), "a100": (312e12, 2.0e12),
+           "l40s": (362e12, 0.864e12), "rtx4090": (165e12, 1.008e12)}
+
+
+def option_label(method: str, options: dict) -> str:
+    if not options:
+        return method
+    value = next(iter(options.values()))
+    return f"{method}{value:g}" if method != "backrazor" else f"backrazor{value:g}"
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str  # how the table names it
+    kind: str  # activation, linear or conv2d
+    layers: tuple[str, ...]  # the modules a rule names
+    block: str | None  # the block it lies in
+
+
+@dataclass
+class Costs:
+    """Everything the solver needs, and where it came from."""
+    sites: list[Site]
+    blocks: list[str]
+    problem: solver.Problem
+    baseline_saved: int  # the uncompressed model's saved bytes at the target shape
+    baseline_peak: int
+    lossless_saved: int
+    passes: dict[str, int]  # site kind -> calibration passes per batch
+    calibration: str  # what the errors were measured on
+    device: str
+    reference: Reference  # prices other policies' errors
+
+
+@dataclass
+class MemoryPlan:
+    policy: policy_mod.Policy
+    costs: Costs
+    solution: solver.Solution
+    saved_bytes: int  # the planned step's, exact
+    peak_bytes: int
+    budget: int
+    max_slowdown: float
+    timings: dict = field(default_factory=dict)
+
+    def rows(self) -> list[tuple[str, str, int, float, float]]:
+        """(site, choice, bytes, error, time) per site and block."""
+        p, out = self.costs.problem, []
+        for site, s, c in zip(self.costs.sites, p.sites, self.solution.choice, strict=True):
+            o = s.options[c]
+            out.append((site.name, o.name, o.bytes, o.error, o.time))
+        for name, b, on in zip(self.costs.blocks, p.blocks, self.solution.recomputed,
+                               strict=True):
+            if on:
+                out.append((name, "checkpoint", b.input_bytes, 0.0, b.time))
+        return out
+
+    def report(self) -> dict:
+        return {"format": "actdesign.plan-report",
+                "budget_bytes": self.budget, "max_slowdown": self.max_slowdown,
+                "predicted_saved_bytes": self.saved_bytes,
+                "predicted_peak_bytes": self.peak_bytes,
+                "predicted_error": self.solution.error,
+                "predicted_time_s": self.solution.time,
+                "base_time_s": self.costs.problem.base_time,
+                "baseline_saved_bytes": self.costs.baseline_saved,
+                "baseline_peak_bytes": self.costs.baseline_peak,
+                "time_model": f"modelled from {self.costs.device}'s peak FLOP rate and bandwidth",
+                "calibration": self.costs.calibration,
+                "calibration_passes_per_batch": self.costs.passes,
+                "seconds": self.timings,
+                "sites": [{"site": s, "choice": c, "bytes": b, "error": e, "time_s": t}
+                          for s, c, b, e, t in self.rows()],
+                "policy": self.policy.to_dict()}
+
+    def table(self) -> str:
+        lines = [f"{'site':<48}{'choice':>12}{'bytes':>14}{'error':>12}{'time, ms':>10}"]
+        for site, choice, n, e, t in self.rows():
+            lines.append(f"{site[-47:]:<48}{choice:>12}{n:>14,}{e:>12.3g}{t * 1e3:>10.3f}")
+        base = self.costs.problem.base_time
+        lines.append(f"planned: peak {self.peak_bytes:,} bytes (budget {self.budget:,}), saved "
+                     f"{self.saved_bytes:,} (uncompressed {self.costs.baseline_saved:,}), "
+                     f"gradient error {self.solution.error:.3g}, time "
+                     f"{self.solution.time / base:.3f}x (modelled, {self.costs.device})")
+        lines.append(f"errors measured on {self.costs.calibration}")
+        return "\n".join(lines)
+
+
+def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="bf16-autocast",
+         max_slowdown: float = 1.10, device: str = "h200", kernels: str = "cuda",
+         calibration: str = "the given batches", progress=None) -> MemoryPlan:
+    """The policy with the least gradient error whose training step, at the shape of
+    `example_inputs` (default: the first batch), has an activation peak within `budget`
+    (bytes, a size such as "20GiB", or a fraction of the uncompressed model's saved bytes)
+    and a modelled step time within `max_slowdown` times the lossless one's. `batches`: the
+    calibration inputs (a list of what the model takes: a tensor, a tuple or a dict of
+    keywords; a transformers model computes its own loss). The model is not changed."""
+    from .estimate import parse_size
+
+    if device not in DEVICES:
+        raise ActdesignError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if not (isinstance(max_slowdown, int | float) and max_slowdown >= 1):
+        raise ActdesignError(f"max_slowdown must be a number >= 1, got {max_slowdown!r}")
+    batches = list(batches)
+    if not batches:
+        raise ActdesignError("plan needs at least one calibration batch")
+    example = batches[0] if example_inputs is None else example_inputs
+    clock = Clock(progress)
+    costs = measure_costs(model, batches, example, precision, device, kernels, calibration,
+                          clock)
+    limit = _budget_bytes(budget, costs.baseline_saved, parse_size)
+    return solve_verified(model, example, costs, limit, max_slowdown, precision, kernels,
+                          clock)
+
+
+def _budget_bytes(budget, baseline, parse_size) -> int:
+    if isinstance(budget, str):
+        text = budget.strip()
+        if re.fullmatch(r"\d*\.?\d+", text):
+            budget = float(text)
+        else:
+            return parse_size(text)
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
+        raise ActdesignError(f"the budget must be a size (20GiB) or a positive fraction of the "
+                             f"uncompressed saved bytes, got {budget!r}")
+    if isinstance(budget, float) and budget <= 4:  # a fraction
+        return int(budget * baseline)
+    return int(budget)
+
+
+class Clock:
+    def __init__(self, progress):
+        self.progress, self.start, self.marks = progress, time.perf_counter(), {}
+
+    def say(self, message):
+        if self.progress is not None:
+            self.progress(f"[{time.perf_counter() - self.start:6.1f} s] {message}")
+
+    def lap(self, name):
+        now = time.perf_counter()
+        self.marks[name] = round(now - self.start - sum(self.marks.values()), 3)
+
+
+# --- sites -------------------------------------------------------------------------------
+
+def blocks_of(model) -> list[str]:
+    """The blocks: the modules a `checkpoint` rule can name."""
+    modules, found = dict(model.named_modules()), []
+    for name, m in modules.items():
+        parent = modules.get(name.rpartition(".")[0]) if name else None
+        outer = any(name.startswith(b + ".") for b in found)
+        if name and not outer and target_of(m, parent) == "block":
+            found.append(name)
+    return found
+
+
+def find_sites(model, example) -> list[Site]:
+    """Every site a lossy rule can take, in the model's order: the activations with a built-in
+    derivative and the Linear/Conv layers compress would quantize, grouped by the tensor they
+    read (found by one forward of `example`)."""
+    every = {"format": policy_mod.FORMAT, "rules": [
+        {"target": "activation", "apply": "fewbit"},
+        {"target": "linear", "apply": "actnn"}, {"target": "conv2d", "apply": "actnn"},
+        *policy_mod.PRESETS[LOSSLESS]]}
+    chosen = match(model, policy_mod.load(every))[0]
+    layers = {}  # name -> kind
+    for name, (m, rule) in chosen.items():
+        if rule.apply == "fewbit" and activation_name(m) is not None:
+            layers[name] = "activation"
+        elif rule.apply == "actnn":
+            layers[name] = "conv2d" if isinstance(m, nn.Conv2d) else "linear"
+        elif rule.apply == "msglu":  # its layers are sites; its activation is its own
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                layers[f"{name}.{part}"] = "linear"
+    modules = dict(model.named_modules())
+    reads = _inputs_read(model, {n: modules[n] for n in layers}, example)
+    groups: dict = {}
+    for name, kind in layers.items():
+        key = (kind, reads.get(name, name)) if kind != "activation" else (kind, name)
+        groups.setdefault(key, []).append(name)
+    blocks = blocks_of(model)
+    order = {name: i for i, name in enumerate(modules)}
+    sites = []
+    for (kind, _), names in groups.items():
+        names.sort(key=order.get)
+        block = next((b for b in blocks if names[0].startswith(b + ".")), None)
+        sites.append(Site(_group_name(names), kind, tuple(names), block))
+    sites.sort(key=lambda s: order[s.layers[0]])
+    return sites
+
+
+def _group_name(names) -> str:
+    if len(names) == 1:
+        return names[0]
+    head = names[0].rsplit(".", 1)[0]
+    if all(n.rsplit(".", 1)[0] == head for n in names):
+        return head + ".{" + ",".join(n.rsplit(".", 1)[1] for n in names) + "}"
+    return ",".join(names)
+
+
+def _inputs_read(model, layers: dict, example) -> dict:
+    """{layer name: id of the tensor it read} over one forward."""
+    from .accounting import storage_key
+
+    seen = {}
+
+    def hook(name):
+        def record(module, args):
+            seen.setdefault(name, whole(args[0]))  # held: no storage is reused meanwhile
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in layers.items()]
+    try:
+        with torch.no_grad(), models.forked_rng(model):
+            models.call(model, example)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: storage_key(t) for name, t in seen.items()}
+
+
+def class_of(site: Site) -> str:
+    """Sites that are one site repeated in every block share a class."""
+    if site.block is None:
+        return site.name
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", site.name)
+
+
+def site_rules(site: Site, method: str, options: dict) -> list[dict]:
+    return [{"target": site.kind, "name": list(site.layers), "apply": method, **options}]
+
+
+def policy_of(rules: list[dict], label="plan") -> policy_mod.Policy:
+    base = policy_mod.PRESETS[LOSSLESS]
+    return policy_mod.validate({"format": policy_mod.FORMAT, "rules": [*rules, *base]},
+                               label=label)
+
+
+def checkpoint_rules(blocks) -> list[dict]:
+    return [{"target": "block", "name": list(blocks), "apply": "checkpoint"}] if blocks else []
+
+
+# --- costs -------------------------------------------------------------------------------
+
+def measure_costs(model, batches, example, precision, device, kernels, calibration,
+                  clock) -> Costs:
+    flops_rate, bandwidth = DEVICES[device]
+    sites = find_sites(model, batches[0])
+    blocks = blocks_of(model)
+    classes: dict[str, list[Site]] = {}
+    for s in sites:
+        classes.setdefault(class_of(s), []).append(s)
+    clock.say(f"{len(sites)} sites in {len(classes)} classes, {len(blocks)} blocks")
+
+    shapes = ShapeSteps(model, example, precision, kernels)
+    baseline = shapes.run(policy_mod.load("none"))
+    lossless = shapes.run(policy_of([]), flops=True)
+    clock.say("bytes of each option, per class of sites")
+    delta = {}  # (site, option index) -> change of saved bytes, for options 1..
+    for members in classes.values():
+        for k, (method, opts) in enumerate(OPTIONS[members[0].kind], start=1):
+            step = shapes.run(policy_of([r for s in members for r in site_rules(s, method, opts)]))
+            for s in members:
+                delta[s, k] = _within(step, s.block, members) - _within(lossless, s.block,
+                                                                         members)
+    recomputed = shapes.run(policy_of(checkpoint_rules(blocks))) if blocks else None
+    clock.lap("bytes")
+
+    clock.say("gradient errors on the calibration batches")
+    reference = Reference(model, batches)
+    errors, passes = measure_errors(reference, sites)
+    clock.lap("errors")
+
+    block_index = {b: i for i, b in enumerate(blocks)}
+    problem_sites, inner = [], {b: lossless.block_bytes(b) for b in blocks}
+    outside = lossless.saved.total - sum(inner.values())
+    for s in sites:
+        kinds = OPTIONS[s.kind]
+        keep = max(0, *(-delta[s, k] for k in range(1, len(kinds) + 1)))
+        options = [solver.Option("keep", keep, 0.0, 0.0)]
+        for k, (method, opts) in enumerate(kinds, start=1):
+            n = keep + delta[s, k]
+            options.append(solver.Option(option_label(method, opts), n, errors[s, k],
+                                         2 * (keep + n) / bandwidth))
+        problem_sites.append(solver.Site(s.name, tuple(options), block_index.get(s.block)))
+        if s.block is None:
+            outside -= keep
+        else:
+            inner[s.block] -= keep
+    problem_blocks = [solver.Block(b, recomputed.block_bytes(b), inner[b],
+                                   lossless.flops_of(b) / 3 / flops_rate) for b in blocks]
+    base_time = lossless.flops / flops_rate + 2 * lossless.saved.total / bandwidth
+    problem = solver.Problem(tuple(problem_sites), tuple(problem_blocks), outside,
+                             lossless.peak - lossless.saved.total, base_time)
+    return Costs(sites, blocks, problem, baseline.saved.total, baseline.peak,
+                 lossless.saved.total, passes, calibration, device, reference)
+
+
+def _within(step, block, members) -> int:
+    """The saved bytes a class's change moves for a site: its block's, or (a site outside
+    every block, alone in its class) the whole step's."""
+    if block is not None:
+        return step.block_bytes(block)
+    assert len(members) == 1
+    return step.saved.total
+
+
+@dataclass
+class ShapeStep:
+    saved: object  # SavedBytes
+    peak: int
+    flops: int = 0
+    flops_by_module: dict = field(default_factory=dict)
+
+    def block_bytes(self, block: str) -> int:
+        return sum(n for name, n in self.saved.by_module.items()
+                   if name == block or name.startswith(block + "."))
+
+    def flops_of(self, name: str) -> int:
+        return self.flops_by_module.get(name, 0)
+
+
+class ShapeSteps:
+    """Shape-only training steps of copies of the model at the target shape: bytes without
+    running anything."""
+
+    def __init__(self, model, example, precision, kernels):
+        self.model, self.example = model, example
+        self.precision, self.kernels = precision, kernels
+        self.count = 0
+
+    def run(self, rules, flops=False, label="plan") -> ShapeStep:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from .estimate import fake_step
+
+        self.count += 1
+        policy = rules if isinstance(rules, policy_mod.Policy) else policy_mod.validate(
+            {"format": policy_mod.FORMAT, "rules": rules}, label=label)
+        counter = FlopCounterMode(display=False) if flops else None
+        saved, peak = fake_step(self.model, self.example, policy, self.precision,
+                                self.kernels, counter)
+        if counter is None:
+            return ShapeStep(saved, peak)
+        by_module = {}
+        for name, ops in counter.get_flop_counts().items():
+            by_module[name.split(".", 1)[1] if "." in name else ""] = sum(ops.values())
+        return ShapeStep(saved, peak, counter.get_total_flops(), by_module)
+
+
+# --- gradient errors ---------------------------------------------------------------------
+
+class Reference:
+    """The lossless model's parameter gradients on the calibration batches, dropout off, and
+    the error of other policies against them."""
+
+    def __init__(self, model, batches):
+        self.model, self.batches = model, batches
+        reference = calibration_copy(model, policy_of([]))
+        self.grads = [_gradients(reference, b) for b in batches]
+        self.energy = sum(_energy(g.values()) for g in self.grads)
+        if self.energy == 0:
+            raise ActdesignError("the calibration batches give a zero gradient: nothing to "
+                                 "plan")
+
+    def error(self, policy) -> float:
+        """E‖ĝ − g‖² / E‖g‖² of the model compressed by `policy`."""
+        trial = calibration_copy(self.model, policy)
+        return sum(_energy(_differences(_gradients(trial, b), g).values())
+                   for b, g in zip(self.batches, self.grads, strict=True)) / self.energy
+
+
+def _energy(tensors) -> float:
+    return sum(float(t.double().square().sum()) for t in tensors)
+
+
+def _differences(grads, exact) -> dict:
+    return {n: grads[n].double() - g.double() for n, g in exact.items()}
+
+
+def measure_errors(reference: Reference, sites) -> tuple[dict, dict]:
+    """({(site, option index): error}, {kind: passes per batch}): one pass per option of each
+    site kind, every site of the kind compressed; the kind's error split among its sites by
+    what each adds locally."""
+    errors, passes, kinds = {}, {}, {}
+    for s in sites:
+        kinds.setdefault(s.kind, []).append(s)
+    for kind, members in kinds.items():
+        passes[kind] = len(OPTIONS[kind])
+        for k, (method, opts) in enumerate(OPTIONS[kind], start=1):
+            rules = [r for s in members for r in site_rules(s, method, opts)]
+            trial = calibration_copy(reference.model, policy_of(rules))
+            local = dict.fromkeys(members, 0.0)
+            total = 0.0
+            for batch, g in zip(reference.batches, reference.grads, strict=True):
+                with _local_errors(trial, members, kind, reference.model) as found:
+                    diff = _differences(_gradients(trial, batch), g)
+                total += _energy(diff.values())
+                for s in members:
+                    local[s] += found[s] if kind == "activation" else _energy(
+                        d for n, d in diff.items() if _owned(n, s))
+            share = sum(local.values())
+            for s in members:
+                errors[s, k] = total / reference.energy * (
+                    local[s] / share if share > 0 else 1 / len(members))
+    return errors, passes
+
+
+def _owned(param_name: str, site: Site) -> bool:
+    return any(param_name.startswith(layer + ".") for layer in site.layers)
+
+
+def calibration_copy(model, policy):
+    """A copy compressed by `policy`, dropout off."""
+    trial = copy.deepcopy(model).train()
+    for m in trial.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    with models.forked_rng(trial):
+        compress(trial, policy)
+    return trial
+
+
+def _gradients(model, batch) -> dict:
+    model.zero_grad(set_to_none=True)
+    with models.forked_rng(model):
+        torch.manual_seed(0)
+        models.loss_of(models.call(model, batch)).backward()
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+           if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+class _local_errors:
+    """‖δ‖² of each compressed activation's input gradient against the exact derivative of
+    the original activation (`source` holds it) at the same input and output gradient."""
+
+    def __init__(self, trial, members, kind, source):
+        self.found = {s: 0.0 for s in members}
+        self.handles = []
+        if kind != "activation":
+            return
+        modules, originals = dict(trial.named_modules()), dict(source.named_modules())
+        for s in members:
+            (name,) = s.layers
+            self.handles.append(modules[name].register_forward_hook(
+                self._hook(s, originals[name])))
+
+    def _hook(self, site, original):
+        def hook(module, args, output):
+            x = args[0]
+            if not (x.requires_grad and output.requires_grad):
+                return
+            kept = {}
+
+            def out_grad(g):
+                kept["g"] = g.detach()
+
+            def in_grad(g):
+                with torch.enable_grad():
+                    xr = x.detach().requires_grad_()
+                    (exact,) = torch.autograd.grad(original(xr), xr, kept.pop("g"))
+                self.found[site] += float((g.double() - exact.double()).square().sum())
+
+            output.register_hook(out_grad)
+            x.register_hook(in_grad)
+        return hook
+
+    def __enter__(self):
+        return self.found
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+# --- solving -----------------------------------------------------------------------------
+
+def solve_verified(model, example, costs: Costs, budget: int, max_slowdown, precision,
+                   kernels, clock, attempts: int = 6) -> MemoryPlan:
+    """The solver's plan, checked by a shape-only step of the policy it gives; over the
+    budget, planned again under a budget lowered by the excess."""
+    problem = costs.problem
+    max_time = max_slowdown * problem.base_time
+    shapes = ShapeSteps(model, example, precision, kernels)
+    target = budget
+    for _ in range(attempts):
+        solution = solver.solve(problem, target, max_time)
+        policy = plan_policy(costs, solution)
+        step = shapes.run(policy)
+        if step.peak <= budget:
+            clock.lap("solve")
+            return MemoryPlan(policy, costs, solution, step.saved.total, step.peak, budget,
+                              max_slowdown, clock.marks)
+        target -= step.peak - budget
+        clock.say(f"the planned peak {step.peak:,} is over the budget: planning again")
+    raise ActdesignError(f"no plan within {attempts} attempts met the budget {budget:,} "
+                         "bytes: give a larger budget")
+
+
+def plan_policy(costs: Costs, solution) -> policy_mod.Policy:
+    rules = []
+    for site, c in zip(costs.sites, solution.choice, strict=True):
+        if c:
+            method, opts = OPTIONS[site.kind][c - 1]
+            rules += site_rules(site, method, opts)
+    rules += checkpoint_rules([b for b, on in zip(costs.blocks, solution.recomputed,
+                                                  strict=True) if on])
+    return policy_of(rules)
+
+
+
+# --- the front, and the presets on it ------------------------------------------------------
+
+PRESETS = ("llm", "llm+actnn2", "fewbit3+msnorm", "fewbit3+msnorm+actnn2", "actnn2",
+           "llm+checkpoint")
+
+
+@dataclass
+class Point:
+    label: str
+    saved: int
+    peak: int
+    error: float  # measured
+
+
+def preset_policy(costs: Costs, name: str) -> policy_mod.Policy:
+    """A preset, or `llm+checkpoint`: llm with every block recomputed."""
+    if name == "llm+checkpoint":
+        return policy_of(checkpoint_rules(costs.blocks), label=name)
+    return policy_mod.load(name)
+
+
+def measure_policy(plan: MemoryPlan, model, example, precision, policy, label,
+                   kernels="cuda") -> Point:
+    """A policy's exact saved bytes and peak at the plan's shape and its measured error."""
+    step = ShapeSteps(model, example, precision, kernels).run(policy)
+    return Point(label, step.saved.total, step.peak, plan.costs.reference.error(policy))
+
+
+def front(plan: MemoryPlan, count: int = 20) -> list:
+    """The modelled least error at `count` budgets from the smallest feasible peak to the
+    uncompressed model's."""
+    p = plan.costs.problem
+    max_time = plan.max_slowdown * p.base_time
+    low = solver.smallest_peak(p, max_time).peak
+    high = max(plan.costs.baseline_peak, low)
+    budgets = [int(low + (high - low) * i / (count - 1)) for i in range(count)]
+    return solver.front(p, budgets, max_time)
+
+
+def draw_front(plan: MemoryPlan, model, batches, example, precision, path,
+               progress=None) -> None:
+    """The error-memory front (modelled), the presets at their exact peaks and measured
+    errors, and the plan at its own."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from actdesign.files import PNG_SOFTWARE, check_writable, write_atomic
+
+    check_writable(path)
+    if progress is not None:
+        progress("pricing the presets for the plot")
+    points = [measure_policy(plan, model, example, precision, preset_policy(plan.costs, n), n)
+              for n in PRESETS]
+    planned = Point("plan", plan.saved_bytes, plan.peak_bytes,
+                    plan.costs.reference.error(plan.policy))
+    curve = front(plan)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.step([s.peak / 2**20 for s in curve], [max(s.error, 1e-12) for s in curve],
+            where="post", label="plan front (modelled)")
+    for point in points:
+        ax.plot(point.peak / 2**20, max(point.error, 1e-12), "o", color="tab:gray")
+        ax.annotate(point.label, (point.peak / 2**20, max(point.error, 1e-12)), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    ax.plot(planned.peak / 2**20, max(planned.error, 1e-12), "*", color="tab:red",
+            markersize=12, label="this plan (measured)")
+    ax.axvline(plan.budget / 2**20, color="tab:red", linestyle=":", label="budget")
+    ax.set_yscale("log")
+    ax.set_xlabel("activation peak (MiB)")
+    ax.set_ylabel("gradient error E|g^ - g|^2 / E|g|^2")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, metadata={"Software": PNG_SOFTWARE})
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())
