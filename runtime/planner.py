@@ -346,8 +346,11 @@ def measure_costs(model, batches, example, precision, device, kernels, calibrati
             outside -= keep
         else:
             inner[s.block] -= keep
+    # a recomputed block runs its forward again: a third of its step's FLOPs, and it writes
+    # what it saves once more
     problem_blocks = [solver.Block(b, recomputed.block_bytes(b), inner[b],
-                                   lossless.flops_of(b) / 3 / flops_rate) for b in blocks]
+                                   lossless.flops_of(b) / 3 / flops_rate
+                                   + lossless.block_bytes(b) / bandwidth) for b in blocks]
     base_time = lossless.flops / flops_rate + 2 * lossless.saved.total / bandwidth
     problem = solver.Problem(tuple(problem_sites), tuple(problem_blocks), outside,
                              lossless.peak - lossless.saved.total, base_time)
