@@ -14,6 +14,10 @@ compressed copy gives its saved bytes and activation peak (a violation: peak > b
 the gradient error measured on the calibration batches is set against the plan's predicted
 one. Then each preset's exact peak and measured error, and the plan's measured error at the
 preset's peak as budget.
+
+The shape-only steps price our ops' CPU paths by default, those the real CPU steps run;
+`--kernels cuda` prices the GPU paths (as `actdesign plan` does), whose peak a CPU step need
+not match: there, the eager rotation keeps float32 tensors a GPU kernel does not make.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from actdesign.runtime.estimate import step  # noqa: E402
 
 MODELS = ["llama-tiny", "qwen2-tiny", "gpt2-tiny"]
 PRECISION = "bf16-autocast"
-KERNELS = "cuda"  # the shape-only steps take our ops' GPU paths, as the planner does
+# the shape-only steps' paths of our ops: the real steps here run the CPU ones (--kernels
+# cuda prices the GPU paths, as `actdesign plan` does, and so differs from a CPU step's peak)
+KERNELS = {"value": "cpu"}
 DEVICE = "h200"  # the time model's
 SLOWDOWNS = (1.10, 1.5)
 
@@ -63,8 +69,8 @@ def real_step(model, example, policy) -> tuple[int, int]:
 
 
 def verified(model, example, costs, budget, slowdown):
-    return planner.solve_verified(model, example, costs, budget, slowdown, PRECISION, KERNELS,
-                                  planner.Clock(None))
+    return planner.solve_verified(model, example, costs, budget, slowdown, PRECISION,
+                                  KERNELS["value"], planner.Clock(None))
 
 
 def costs_report(name, costs, marks, markdown):
@@ -131,7 +137,7 @@ def dominance_report(name, model, example, costs, markdown):
         try:
             point = planner.measure_policy(anchor, model, example, PRECISION,
                                            planner.preset_policy(costs, preset), preset,
-                                           KERNELS)
+                                           KERNELS["value"])
         except ActdesignError as exc:
             row([preset, "error", " ".join(str(exc).split()), *["-"] * (2 * len(SLOWDOWNS))])
             continue
@@ -199,15 +205,19 @@ def main():
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 5 budgets")
     parser.add_argument("--solver-budgets", type=int, default=10)
     parser.add_argument("--skip-solver", action="store_true")
+    parser.add_argument("--kernels", choices=["cpu", "cuda"], default="cpu",
+                        help="our ops' paths the shape-only steps price")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    KERNELS["value"] = args.kernels
     names = args.models or (MODELS[:1] if args.quick else MODELS)
     count = args.budgets or (5 if args.quick else 20)
     totals = {}
     for name in names:
         model, batches, example = setup(name)
         clock = planner.Clock(None)
-        costs = planner.measure_costs(model, batches, example, PRECISION, DEVICE, KERNELS,
+        costs = planner.measure_costs(model, batches, example, PRECISION, DEVICE,
+                                      KERNELS["value"],
                                       "4 random-token batches of 2 x 64", clock)
         costs_report(name, costs, clock.marks, args.markdown)
         for slowdown in SLOWDOWNS:
