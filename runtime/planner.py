@@ -544,23 +544,43 @@ class _local_errors:
 def solve_verified(model, example, costs: Costs, budget: int, max_slowdown, precision,
                    kernels, clock, attempts: int = 6) -> MemoryPlan:
     """The solver's plan, checked by a shape-only step of the policy it gives; over the
-    budget, planned again under a budget lowered by the excess."""
+    budget, planned again under a budget lowered by the excess. Where that leaves no plan, the
+    plan of the least modelled peak is taken if its exact peak fits; else the budget is
+    refused, naming that exact peak."""
     problem = costs.problem
     max_time = max_slowdown * problem.base_time
     shapes = ShapeSteps(model, example, precision, kernels)
-    target = budget
-    for _ in range(attempts):
-        solution = solver.solve(problem, target, max_time)
+
+    def checked(solution):
         policy = plan_policy(costs, solution)
         step = shapes.run(policy)
-        if step.peak <= budget:
+        return MemoryPlan(policy, costs, solution, step.saved.total, step.peak, budget,
+                          max_slowdown, clock.marks)
+
+    target = budget
+    for _ in range(attempts):
+        try:
+            result = checked(solver.solve(problem, target, max_time))
+        except ActdesignError:  # none under the lowered (or modelled) budget
+            break
+        if result.peak_bytes <= budget:
             clock.lap("solve")
-            return MemoryPlan(policy, costs, solution, step.saved.total, step.peak, budget,
-                              max_slowdown, clock.marks)
-        target -= step.peak - budget
-        clock.say(f"the planned peak {step.peak:,} is over the budget: planning again")
-    raise ActdesignError(f"no plan within {attempts} attempts met the budget {budget:,} "
-                         "bytes: give a larger budget")
+            return result
+        target -= result.peak_bytes - budget
+        clock.say(f"the planned peak {result.peak_bytes:,} is over the budget: planning again")
+    least = checked(solver.smallest_peak(problem, max_time))
+    if least.peak_bytes <= budget:
+        clock.lap("solve")
+        return least
+    raise ActdesignError(f"the budget {budget:,} bytes cannot be met: the smallest feasible is "
+                         f"{least.peak_bytes / 2**20:.1f} MiB ({least.peak_bytes:,} bytes) "
+                         f"within {max_slowdown:.2f}x time")
+
+
+def smallest_budget(model, example, costs: Costs, max_slowdown, precision, kernels) -> int:
+    """The exact peak of the plan of the least modelled peak: a budget `solve_verified` meets."""
+    least = solver.smallest_peak(costs.problem, max_slowdown * costs.problem.base_time)
+    return ShapeSteps(model, example, precision, kernels).run(plan_policy(costs, least)).peak
 
 
 def plan_policy(costs: Costs, solution) -> policy_mod.Policy:

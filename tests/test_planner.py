@@ -1,0 +1,195 @@
+"""`plan`: the planned policy fits its budget on a real step, its predicted gradient error is
+the measured one, it is no worse than the presets at their own bytes, and the CLI writes a
+policy compress applies."""
+
+import copy
+import importlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from actdesign.runtime import compress, models, planner
+from actdesign.runtime import policy as policy_mod
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import run_cli  # noqa: E402
+
+estimate = importlib.import_module("actdesign.runtime.estimate")
+pytest.importorskip("transformers")
+
+PRECISION = "bf16-autocast"
+KERNELS = "cpu"  # shape-only steps allocate what the CPU paths do: a real step here is exact
+
+
+def cnn():
+    """A small CNN of two stages (blocks), so that convolution options take part."""
+    def stage(cin, cout):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout),
+                             nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU())
+
+    torch.manual_seed(0)
+    model = nn.Sequential(stage(3, 8), stage(8, 16), nn.Flatten(), nn.Linear(16 * 64, 10))
+
+    def make_batch(batch, _seq, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(batch, 3, 8, 8, generator=g)
+    return model, make_batch
+
+
+def setup(name):
+    if name == "cnn":
+        model, make = cnn()
+        return model.train(), [make(4, 0, seed=1 + i) for i in range(3)], make(8, 0)
+    model, _ = models.build(name)
+    model.train()
+    batches = [models.example_batch(model, 2, 32, seed=1 + i) for i in range(3)]
+    return model, batches, models.example_batch(model, 2, 64)
+
+
+# The CNN's shape-only step fails in FakeTensorMode (BatchNorm's buffers), so its costs cannot
+# be measured yet: it takes part in the sites test only.
+@pytest.fixture(scope="module", params=["llama-tiny", "gpt2-tiny"])
+def planned(request):
+    """(model, example, costs) of one model: the costs measured once."""
+    model, batches, example = setup(request.param)
+    costs = planner.measure_costs(model, batches, example, PRECISION, "h200", KERNELS, "test",
+                                  planner.Clock(None))
+    return request.param, model, example, costs
+
+
+def verified(model, example, costs, budget, slowdown=1.10):
+    return planner.solve_verified(model, example, costs, budget, slowdown, PRECISION, KERNELS,
+                                  planner.Clock(None))
+
+
+def real_step(model, example, policy):
+    """(saved bytes, activation peak) of a real CPU training step of the compressed model."""
+    trial = copy.deepcopy(model)
+    compress(trial, policy)
+    saved, peak = estimate.step(trial, example, PRECISION)
+    return saved.total, peak
+
+
+def test_sites_group_the_layers_reading_one_tensor():
+    model, batches, _ = setup("llama-tiny")
+    sites = {s.name: s for s in planner.find_sites(model, batches[0])}
+    qkv = sites["model.layers.0.self_attn.{q_proj,k_proj,v_proj}"]
+    assert qkv.kind == "linear" and qkv.block == "model.layers.0" and len(qkv.layers) == 3
+    assert "model.layers.1.mlp.{gate_proj,up_proj}" in sites
+    gpt2, batches, _ = setup("gpt2-tiny")
+    kinds = {s.name: s.kind for s in planner.find_sites(gpt2, batches[0])}
+    assert kinds["transformer.h.0.mlp.act"] == "activation"
+    model, batches, _ = setup("cnn")
+    kinds = [s.kind for s in planner.find_sites(model, batches[0])]
+    assert kinds.count("conv2d") == 4 and "activation" in kinds
+
+
+def test_the_planned_peak_fits_every_budget_on_a_real_step(planned):
+    """Six budgets from the smallest feasible to the uncompressed peak: the saved bytes and
+    the activation peak of a real CPU step of the planned model are within each."""
+    _, model, example, costs = planned
+    low = planner.smallest_budget(model, example, costs, 1.10, PRECISION, KERNELS)
+    high = max(costs.baseline_peak, low)
+    for budget in [int(low + (high - low) * i / 5) for i in range(6)]:
+        result = verified(model, example, costs, budget)
+        saved, peak = real_step(model, example, result.policy)
+        assert (saved, peak) == (result.saved_bytes, result.peak_bytes)
+        assert saved <= peak <= budget
+
+
+def test_a_budget_below_the_smallest_is_refused_with_the_smallest(planned):
+    _, model, example, costs = planned
+    low = planner.smallest_budget(model, example, costs, 1.10, PRECISION, KERNELS)
+    with pytest.raises(planner.ActdesignError, match="smallest feasible"):
+        verified(model, example, costs, low - 1)
+
+
+def test_predicted_error_is_the_measured_one(planned, request):
+    """Across the front, the sum of the sites' errors is within 30% of the error measured
+    on the planned model: sites' errors add (independent ActNN draws; errors on different
+    weights; the activations' split by their local errors)."""
+    name, model, example, costs = planned
+    if name == "llama-tiny":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "the codes MS norms share with their readers carry a reader's error into every "
+            "weight upstream: split by own-weight error, mixed bit widths are mispriced "
+            "(measured 0.0097 against 0.0063 predicted)")))
+    low = planner.smallest_budget(model, example, costs, 1.10, PRECISION, KERNELS)
+    high = costs.lossless_saved + costs.problem.transient_bytes
+    checked = 0
+    for i in range(5):
+        result = verified(model, example, costs, int(low + (high - low) * i / 12))
+        if result.solution.error > 0:
+            measured = costs.reference.error(result.policy)
+            assert measured == pytest.approx(result.solution.error, rel=0.3), name
+            checked += 1
+    assert checked >= 2
+
+
+def test_actnn_errors_follow_the_variance_model(planned):
+    """ActNN's error at b bits is C / (2^b - 1)^2: stochastic rounding adds p(1 - p)Δ² per
+    element, Δ ∝ 1/(2^b - 1), and C takes E[p(1 - p)] = 1/6 (p uniform). On real inputs p is
+    not uniform at few bits, and E[p(1 - p)] lies in [0, 1/4]: the measured errors at 2, 3
+    and 4 bits give constants within a factor 1.5 (= (1/4)/(1/6)) of each other, where the
+    bits differ by factors up to 25 in (2^b - 1)^2."""
+    name, _, _, costs = planned
+    index = {label: k for k, (m, o) in enumerate(planner.OPTIONS["linear"], start=1)
+             for label in [planner.option_label(m, o)]}
+    for site in costs.problem.sites:
+        errors = {b: site.options[index[f"actnn{b}"]].error for b in (2, 3, 4)}
+        if errors[2] == 0:
+            continue  # its input is kept elsewhere: never quantized
+        c = [errors[b] * (2**b - 1) ** 2 for b in (2, 3, 4)]
+        assert max(c) / min(c) < 1.5, (site.name, c)
+
+
+def test_the_plan_is_no_worse_than_the_presets_at_their_bytes():
+    model, batches, example = setup("gpt2-tiny")
+    result = planner.plan(model, batches, 1.0, example_inputs=example, precision=PRECISION,
+                          max_slowdown=2.0)
+    costs = result.costs
+    for name in ("fewbit3+msnorm", "fewbit3+msnorm+actnn2", "llm+actnn2", "llm+checkpoint"):
+        point = planner.measure_policy(result, model, example, PRECISION,
+                                       planner.preset_policy(costs, name), name)
+        try:
+            mine = verified(model, example, costs, point.peak, 2.0)
+        except planner.ActdesignError:
+            pytest.fail(f"no plan at the bytes of {name} ({point.peak})")
+        assert costs.reference.error(mine.policy) <= point.error * 1.05 + 1e-12, name
+
+
+def test_plan_writes_a_policy_compress_applies(tmp_path, capsys):
+    out, report, png = tmp_path / "plan.json", tmp_path / "report.json", tmp_path / "front.png"
+    code, stdout, err = run_cli(capsys, "plan", "--model", "llama-tiny", "--batch", "2",
+                                "--seq", "64", "--budget", "0.5", "--calibration-batches",
+                                "2", "--calibration-shape", "2", "32", "--out", str(out),
+                                "--json", str(report), "--plot", str(png))
+    assert code == 0, err
+    assert "random tokens" in stdout, stdout
+    data = json.loads(report.read_text())
+    for key in ("predicted_saved_bytes", "predicted_peak_bytes", "predicted_error"):
+        assert key in data
+    assert png.read_bytes().startswith(b"\x89PNG")
+    model, _ = models.build("llama-tiny")
+    compress(model, str(out))
+    saved, _ = estimate.step(model, models.example_batch(model, 2, 64), PRECISION)
+    # the CLI prices the CUDA kernels' peak (a real CPU step's differs); the bytes are exact
+    assert saved.total == data["predicted_saved_bytes"]
+    assert data["predicted_peak_bytes"] <= data["budget_bytes"]
+    assert policy_mod.load(str(out)).rules
+
+
+def test_plan_refuses_bad_budgets(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    for budget, message in (("1KiB", "smallest feasible"), ("0", "budget"),
+                            ("lots", "cannot read the size")):
+        code, _, err = run_cli(capsys, "plan", "--model", "llama-tiny", "--batch", "1",
+                               "--seq", "16", "--budget", budget, "--calibration-batches",
+                               "1", "--calibration-shape", "1", "16", "--out", str(out))
+        last = err.strip().splitlines()[-1]  # after the progress lines
+        assert code == 2 and message in last and last.startswith("actdesign: error:"), err
+        assert not out.exists()
