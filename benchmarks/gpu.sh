@@ -15,6 +15,9 @@
 #   4. llm_memory.py: peak and step time of llama, gpt2 and qwen2 at 16 x 1024 tokens in bf16
 #      autocast: baseline, checkpointing, our presets, Liger-Kernel when installed; and what
 #      is allocated at each setup's peak (why ours + checkpointing peaked above checkpointing);
+#   6. gpu_plan.py: `plan` for the 1B-class LLaMA at 1 x 4096 under a budget of 0.35 of its
+#      saved bytes; the planned model's real peak against the budget and its step time against
+#      the lossless policy's times --max-slowdown (1.10).
 #   5. gpu_check.py: every kernel against the CPU reference (bit for bit, or against float64),
 #      the single block's peak and what is allocated at it, GPT-2 and LLaMA profiles with the
 #      cost of actnn2 on the step.
@@ -22,11 +25,11 @@
 # one command may run 10 minutes at most, run the stages in two calls.
 # Usage, from the repository root:
 #   bash benchmarks/gpu.sh [OUTDIR [STAGES]]   (OUTDIR: $OUT or out; STAGES: comma-separated,
-#                                               default estimate,lora_memory,runtime,
-#                                               llm_memory,gpu_check)
+#                                               default plan,estimate,lora_memory,
+#                                               runtime,llm_memory,gpu_check)
 set -u
 out=${1:-${OUT:-out}}
-stages=,${2:-estimate,lora_memory,runtime,llm_memory,gpu_check},
+stages=,${2:-plan,estimate,lora_memory,runtime,llm_memory,gpu_check},
 mkdir -p "$out"
 # The device's Python may lack platformdirs (installed --no-deps): name the ops cache outright.
 export ACTDESIGN_CACHE_DIR=${ACTDESIGN_CACHE_DIR:-/tmp/actdesign-cache}
@@ -41,6 +44,7 @@ stage() {  # stage NAME SECONDS COMMAND...: output to OUTDIR/NAME.txt and to the
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "== $name: exit $rc"; status=1; }
 }
+stage plan 240 python benchmarks/gpu_plan.py --device cuda --budget 0.35
 stage estimate 120 python benchmarks/gpu_estimate.py --device cuda --markdown
 # The device may lack PEFT and cannot download: carry their wheels in $WHEELS (default wheels/,
 # made here by `pip download --no-deps -d wheels peft accelerate`).
