@@ -26,4 +26,13 @@ __all__ = ["Estimate", "LeanLinear", "MSLayerNorm", "MSRMSNorm", "Policy", "Pool
            "QConv2d", "QLinear", "QMSLayerNorm", "QMSRMSNorm", "Report", "SavedBytes",
            "SparseConv2d", "SparseLinear", "account", "actnn_ops", "cache_dir", "calibrate",
            "compress", "estimate", "load", "load_policy", "load_source", "ms_norm", "norm_ops",
+           "plan",
            "qconv2d", "qlinear"]
+
+
+def plan(model, batches, budget, **options):
+    """The policy with the least gradient error whose training step fits `budget`: see
+    runtime.planner.plan (imported here on first use: it brings the solver's scipy)."""
+    from .planner import plan as run
+
+    return run(model, batches, budget, **options)
