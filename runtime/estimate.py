@@ -351,7 +351,8 @@ def step(model, inputs, precision) -> tuple:
     or real tensors alike: the peak is the most bytes alive at once of the storages the step
     makes, the parameters' gradients aside."""
     weights = _distinct((*model.parameters(), *model.buffers()))
-    live = _Live((*weights, *_distinct(inputs.values())))
+    given = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]  # any batch form
+    live = _Live((*weights, *_distinct(given)))
 
     def loss():
         with forward_context(precision, "cpu"):

@@ -282,7 +282,9 @@ def class_of(site: Site) -> str:
     """Sites that are one site repeated in every block share a class."""
     if site.block is None:
         return site.name
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", site.name)
+    # the block's index made a wildcard: model.layers.*.mlp.down_proj
+    pattern = re.sub(r"\d+$", "*", site.block)
+    return f"{site.kind}:{pattern}{site.name[len(site.block):]}"
 
 
 def site_rules(site: Site, method: str, options: dict) -> list[dict]:

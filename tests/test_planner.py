@@ -50,9 +50,7 @@ def setup(name):
     return model, batches, models.example_batch(model, 2, 64)
 
 
-# The CNN's shape-only step fails in FakeTensorMode (BatchNorm's buffers), so its costs cannot
-# be measured yet: it takes part in the sites test only.
-@pytest.fixture(scope="module", params=["llama-tiny", "gpt2-tiny"])
+@pytest.fixture(scope="module", params=["llama-tiny", "gpt2-tiny", "cnn"])
 def planned(request):
     """(model, example, costs) of one model: the costs measured once."""
     model, batches, example = setup(request.param)
@@ -88,10 +86,15 @@ def test_sites_group_the_layers_reading_one_tensor():
     assert kinds.count("conv2d") == 4 and "activation" in kinds
 
 
-def test_the_planned_peak_fits_every_budget_on_a_real_step(planned):
+def test_the_planned_peak_fits_every_budget_on_a_real_step(planned, request):
     """Six budgets from the smallest feasible to the uncompressed peak: the saved bytes and
     the activation peak of a real CPU step of the planned model are within each."""
-    _, model, example, costs = planned
+    name, model, example, costs = planned
+    if name == "cnn":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "the CPU's convolution kernels allocate working memory a shape-only step does not "
+            "see (a real peak of 858 KiB against 137 KiB), and BatchNorm under CPU autocast "
+            "saves 96 bytes more")))
     low = planner.smallest_budget(model, example, costs, 1.10, PRECISION, KERNELS)
     high = max(costs.baseline_peak, low)
     for budget in [int(low + (high - low) * i / 5) for i in range(6)]:
