@@ -100,7 +100,7 @@ def plot(spec: Spec, path) -> None:
     bottom.axhline(0, color="gray", lw=0.5)
     bottom.set_ylabel("f'(x) - q(x)")
     bottom.set_xlabel("x")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _plot_pwl(spec: Spec, act, x, g, q, inner, path) -> None:
@@ -122,10 +122,12 @@ def _plot_pwl(spec: Spec, act, x, g, q, inner, path) -> None:
             ax.axvline(b, color="tab:red", lw=0.4, alpha=0.4)
         ax.legend(loc="best", fontsize=8)
     bottom.set_xlabel("x")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def _save(fig, path) -> None:
+def save_figure(fig, path) -> None:
+    """A matplotlib figure as a PNG marked as ours (so --force is not needed to redraw it),
+    written atomically; the figure is closed."""
     from matplotlib import pyplot as plt
 
     from .files import PNG_SOFTWARE, write_atomic

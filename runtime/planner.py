@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from actdesign.designer import plan as solver  # noqa
+from actdesign.designer import plan as solver
 from actdesign.errors import ActdesignError
 
 from . import models
@@ -64,8 +64,7 @@ DEVICES = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12), "a100": (312e12,
 def option_label(method: str, options: dict) -> str:
     if not options:
         return method
-    value = next(iter(options.values()))
-    return f"{method}{value:g}" if method != "backrazor" else f"backrazor{value:g}"
+    return f"{method}{next(iter(options.values())):g}"
 
 
 @dataclass(frozen=True)
@@ -640,14 +639,13 @@ def draw_front(plan: MemoryPlan, model, batches, example, precision, path,
                progress=None) -> None:
     """The error-memory front (modelled), the presets at their exact peaks and measured
     errors, and the plan at its own."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from actdesign.files import PNG_SOFTWARE, check_writable, write_atomic
+    from actdesign.files import check_writable
+    from actdesign.report import save_figure
 
     check_writable(path)
     if progress is not None:
@@ -671,8 +669,4 @@ def draw_front(plan: MemoryPlan, model, batches, example, precision, path,
     ax.set_xlabel("activation peak (MiB)")
     ax.set_ylabel("gradient error E|g^ - g|^2 / E|g|^2")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110, metadata={"Software": PNG_SOFTWARE})
-    plt.close(fig)
-    write_atomic(path, buffer.getvalue())
+    save_figure(fig, path)

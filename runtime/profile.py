@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import re
 import statistics
 import time
@@ -264,7 +263,8 @@ def plot(result: Profile, path, per_module: bool = False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from actdesign.files import PNG_SOFTWARE, check_writable, write_atomic
+    from actdesign.files import check_writable
+    from actdesign.report import save_figure
 
     check_writable(path)
     rows = result.rows(per_module)
@@ -278,8 +278,4 @@ def plot(result: Profile, path, per_module: bool = False) -> None:
     ax.set_xlabel("saved for backward (MiB)")
     ax.set_title(f"{result.model}: {result.shape}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110, metadata={"Software": PNG_SOFTWARE})
-    plt.close(fig)
-    write_atomic(path, buffer.getvalue())
+    save_figure(fig, path)
