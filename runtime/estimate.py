@@ -197,15 +197,20 @@ class _CpuKernels(TorchDispatchMode):
             a, b, *rest = args
             return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).float()
         out = func(*args, **kwargs)
-        if func is torch.ops.aten.native_layer_norm.default and _mixed(args):
-            # the CPU kernel makes mean and rstd in float32 for a bfloat16 input with float32
-            # weights (autocast), the fake kernel in the input's dtype
+        norm = _NORMS.get(func)
+        if norm is not None and _mixed(args, norm):
+            # the kernels make mean and rstd in float32 for a bfloat16 input with float32
+            # weights (autocast), the fake kernels in the input's dtype
             out = (out[0], out[1].float(), out[2].float())
         return out
 
 
-def _mixed(args) -> bool:
-    x, weight = args[0], args[2] if len(args) > 2 else None
+# the norms whose statistics the kernels keep in float32, and where their weight argument is
+_NORMS = {torch.ops.aten.native_layer_norm.default: 2, torch.ops.aten.native_batch_norm.default: 1}
+
+
+def _mixed(args, weight_at) -> bool:
+    x, weight = args[0], args[weight_at] if len(args) > weight_at else None
     return weight is not None and weight.dtype == torch.float32 != x.dtype
 
 
