@@ -16,12 +16,14 @@ Each site's options are priced three ways:
 - gradient error: what the option adds to E‖ĝ − g‖² / E‖g‖² of the parameter gradient, on
   the calibration batches and the model's weights, dropout off (its noise is not the
   method's), against the lossless model's gradient. One forward and backward per batch for
-  the reference, and one per option of each site kind with every site of that kind
-  compressed: an activation's error reaches every parameter before it, a layer's codes
-  only its own weight's gradient (and the norm sharing them). A kind's measured error is
-  split among its sites by what each adds locally: ‖δ‖² of the activation's input gradient,
-  the layer's own weight gradient error. Errors of different sites add (unbiased or
-  independent errors: their cross terms vanish in expectation).
+  the reference, and one per option of each class of sites, with every site of the class
+  compressed (so the count does not grow with depth). A class's measured error is split
+  among its sites by what each adds locally: ‖δ‖² of an activation's input gradient, a
+  layer's own weight gradient error. Per class, not per kind: a layer's codes reach more
+  than its own weight where a norm or a gated MLP shares them (the norm's backward reads
+  them), and how far differs from class to class. Errors of different sites add (unbiased
+  or independent errors: their cross terms vanish in expectation). An option that saves
+  no bytes at the target shape (its input is kept anyway) is not offered, nor measured.
 - time: modelled from a named device's peak FLOP rate and memory bandwidth: a recomputed
   block costs its forward's FLOPs (a third of its step's), a lossy option the bytes it
   moves (reading the input and writing its codes, then reading the codes and writing the
@@ -84,7 +86,7 @@ class Costs:
     baseline_saved: int  # the uncompressed model's saved bytes at the target shape
     baseline_peak: int
     lossless_saved: int
-    passes: dict[str, int]  # site kind -> calibration passes per batch
+    passes: dict[str, int]  # site kind -> calibration passes per batch (the reference's aside)
     calibration: str  # what the errors were measured on
     device: str
     reference: Reference  # prices other policies' errors
@@ -286,6 +288,11 @@ def class_of(site: Site) -> str:
     return f"{site.kind}:{pattern}{site.name[len(site.block):]}"
 
 
+def labelled(kind: str) -> dict:
+    """{option label: (method, options)} of a site kind."""
+    return {option_label(m, o): (m, o) for m, o in OPTIONS[kind]}
+
+
 def site_rules(site: Site, method: str, options: dict) -> list[dict]:
     return [{"target": site.kind, "name": list(site.layers), "apply": method, **options}]
 
@@ -316,32 +323,36 @@ def measure_costs(model, batches, example, precision, device, kernels, calibrati
     baseline = shapes.run(policy_mod.load("none"))
     lossless = shapes.run(policy_of([]), flops=True)
     clock.say("bytes of each option, per class of sites")
-    delta = {}  # (site, option index) -> change of saved bytes, for options 1..
-    for members in classes.values():
-        for k, (method, opts) in enumerate(OPTIONS[members[0].kind], start=1):
+    delta = {}  # (site, option label) -> change of saved bytes
+    offered = {}  # class -> the options that save bytes at this shape
+    for name, members in classes.items():
+        offered[name] = []
+        for method, opts in OPTIONS[members[0].kind]:
+            label = option_label(method, opts)
             step = shapes.run(policy_of([r for s in members for r in site_rules(s, method, opts)]))
             for s in members:
-                delta[s, k] = _within(step, s.block, members) - _within(lossless, s.block,
-                                                                         members)
+                delta[s, label] = _within(step, s.block, members) - _within(lossless, s.block,
+                                                                             members)
+            if any(delta[s, label] < 0 for s in members):
+                offered[name].append(label)
     recomputed = shapes.run(policy_of(checkpoint_rules(blocks))) if blocks else None
     clock.lap("bytes")
 
     clock.say("gradient errors on the calibration batches")
     reference = Reference(model, batches)
-    errors, passes = measure_errors(reference, sites)
+    errors, passes = measure_errors(reference, classes, offered)
     clock.lap("errors")
 
     block_index = {b: i for i, b in enumerate(blocks)}
     problem_sites, inner = [], {b: lossless.block_bytes(b) for b in blocks}
     outside = lossless.saved.total - sum(inner.values())
     for s in sites:
-        kinds = OPTIONS[s.kind]
-        keep = max(0, *(-delta[s, k] for k in range(1, len(kinds) + 1)))
+        labels = offered[class_of(s)]
+        keep = max(0, *(-delta[s, label] for label in labels)) if labels else 0
         options = [solver.Option("keep", keep, 0.0, 0.0)]
-        for k, (method, opts) in enumerate(kinds, start=1):
-            n = keep + delta[s, k]
-            options.append(solver.Option(option_label(method, opts), n, errors[s, k],
-                                         2 * (keep + n) / bandwidth))
+        for label in labels:
+            n = keep + delta[s, label]
+            options.append(solver.Option(label, n, errors[s, label], 2 * (keep + n) / bandwidth))
         problem_sites.append(solver.Site(s.name, tuple(options), block_index.get(s.block)))
         if s.block is None:
             outside -= keep
@@ -441,16 +452,16 @@ def _differences(grads, exact) -> dict:
     return {n: grads[n].double() - g.double() for n, g in exact.items()}
 
 
-def measure_errors(reference: Reference, sites) -> tuple[dict, dict]:
-    """({(site, option index): error}, {kind: passes per batch}): one pass per option of each
-    site kind, every site of the kind compressed; the kind's error split among its sites by
-    what each adds locally."""
-    errors, passes, kinds = {}, {}, {}
-    for s in sites:
-        kinds.setdefault(s.kind, []).append(s)
-    for kind, members in kinds.items():
-        passes[kind] = len(OPTIONS[kind])
-        for k, (method, opts) in enumerate(OPTIONS[kind], start=1):
+def measure_errors(reference: Reference, classes: dict, offered: dict) -> tuple[dict, dict]:
+    """({(site, option label): error}, {kind: passes per batch}): one pass per offered option
+    of each class of sites, every site of the class compressed; the class's error split among
+    its sites by what each adds locally."""
+    errors, passes = {}, {}
+    for name, members in classes.items():
+        kind = members[0].kind
+        passes[kind] = passes.get(kind, 0) + len(offered[name])
+        for label in offered[name]:
+            method, opts = labelled(kind)[label]
             rules = [r for s in members for r in site_rules(s, method, opts)]
             trial = calibration_copy(reference.model, policy_of(rules))
             local = dict.fromkeys(members, 0.0)
@@ -464,7 +475,7 @@ def measure_errors(reference: Reference, sites) -> tuple[dict, dict]:
                         d for n, d in diff.items() if _owned(n, s))
             share = sum(local.values())
             for s in members:
-                errors[s, k] = total / reference.energy * (
+                errors[s, label] = total / reference.energy * (
                     local[s] / share if share > 0 else 1 / len(members))
     return errors, passes
 
@@ -474,15 +485,16 @@ def _owned(param_name: str, site: Site) -> bool:
 
 
 def calibration_copy(model, policy):
-    """A copy compressed by `policy`, dropout off."""
+    """A copy compressed by `policy`, then dropout turned off: compress decides as for the
+    model that trains (with dropout, attention may not keep the input a layer quantizes)."""
     trial = copy.deepcopy(model).train()
+    with models.forked_rng(trial):
+        compress(trial, policy)
     for m in trial.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0
-    with models.forked_rng(trial):
-        compress(trial, policy)
     return trial
 
 
@@ -586,9 +598,9 @@ def smallest_budget(model, example, costs: Costs, max_slowdown, precision, kerne
 
 def plan_policy(costs: Costs, solution) -> policy_mod.Policy:
     rules = []
-    for site, c in zip(costs.sites, solution.choice, strict=True):
+    for i, (site, c) in enumerate(zip(costs.sites, solution.choice, strict=True)):
         if c:
-            method, opts = OPTIONS[site.kind][c - 1]
+            method, opts = labelled(site.kind)[costs.problem.sites[i].options[c].name]
             rules += site_rules(site, method, opts)
     rules += checkpoint_rules([b for b, on in zip(costs.blocks, solution.recomputed,
                                                   strict=True) if on])

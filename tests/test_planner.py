@@ -114,11 +114,6 @@ def test_predicted_error_is_the_measured_one(planned, request):
     on the planned model: sites' errors add (independent ActNN draws; errors on different
     weights; the activations' split by their local errors)."""
     name, model, example, costs = planned
-    if name == "llama-tiny":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "the codes MS norms share with their readers carry a reader's error into every "
-            "weight upstream: split by own-weight error, mixed bit widths are mispriced "
-            "(measured 0.0097 against 0.0063 predicted)")))
     low = planner.smallest_budget(model, example, costs, 1.10, PRECISION, KERNELS)
     high = costs.lossless_saved + costs.problem.transient_bytes
     checked = 0
@@ -138,14 +133,16 @@ def test_actnn_errors_follow_the_variance_model(planned):
     and 4 bits give constants within a factor 1.5 (= (1/4)/(1/6)) of each other, where the
     bits differ by factors up to 25 in (2^b - 1)^2."""
     name, _, _, costs = planned
-    index = {label: k for k, (m, o) in enumerate(planner.OPTIONS["linear"], start=1)
-             for label in [planner.option_label(m, o)]}
+    checked = 0
     for site in costs.problem.sites:
-        errors = {b: site.options[index[f"actnn{b}"]].error for b in (2, 3, 4)}
-        if errors[2] == 0:
-            continue  # its input is kept elsewhere: never quantized
+        by_name = {o.name: o.error for o in site.options}
+        if "actnn2" not in by_name:
+            continue  # an activation, or its input is kept elsewhere: not offered
+        errors = {b: by_name[f"actnn{b}"] for b in (2, 3, 4)}
+        checked += 1
         c = [errors[b] * (2**b - 1) ** 2 for b in (2, 3, 4)]
         assert max(c) / min(c) < 1.5, (site.name, c)
+    assert checked >= 2
 
 
 def test_the_plan_is_no_worse_than_the_presets_at_their_bytes():
