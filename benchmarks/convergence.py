@@ -13,7 +13,9 @@ every K steps. With several seeds (`--seeds 0 1 2`) the comparison repeats per s
 (weights and batch order change) and the goals are judged on the mean excess over seeds.
 Variants other than the baseline are made by `actdesign.runtime.compress` with a policy
 preset; `actnn2` then calibrates its bit widths per layer (2 bits on average) on a few
-training batches.
+training batches. `plan@P` (with `--arch llama`) is `actdesign plan`'s policy for a budget of
+preset P's exact activation peak at the training batch's shape, calibrated on a few training
+batches.
 
 Reported per variant: final validation loss and its difference to the baseline's, the bytes
 autograd saves for one training step (distinct storages, parameters aside) and their ratio to
@@ -53,7 +55,8 @@ from actdesign.runtime.profile import PRECISIONS, default_precision, forward_con
 
 VOCAB = 256  # bytes
 VARIANTS = ["baseline", "fewbit3", "regelu2", "msnorm", "fewbit3+msnorm", "regelu2+msnorm",
-            "actnn2", "fewbit3+msnorm+actnn2", "backrazor90", "llm", "llm+actnn2"]
+            "actnn2", "fewbit3+msnorm+actnn2", "backrazor90", "llm", "llm+actnn2",
+            "plan@fewbit3+msnorm+actnn2"]
 GOALS = {"fewbit3": 0.01, "regelu2": 0.01, "msnorm": 0.01, "fewbit3+msnorm": 0.01,
          "regelu2+msnorm": 0.01, "actnn2": 0.03, "fewbit3+msnorm+actnn2": 0.03, "llm": 0.005,
          "llm+actnn2": 0.03}  # allowed relative excess of the final validation loss, averaged
@@ -190,12 +193,36 @@ def make_variant(base: nn.Module, name: str, batches: list, setting: Setting) ->
         return model
     from actdesign.runtime import calibrate, compress
 
-    report = compress(model, name, example_inputs=(batches[0][0].to(setting.device),))
+    policy = planned(model, name.removeprefix("plan@"), batches, setting) \
+        if name.startswith("plan@") else name
+    report = compress(model, policy, example_inputs=(batches[0][0].to(setting.device),))
     print(report, file=sys.stderr)
     if name.startswith("actnn"):  # allocate 2 bits on average, exactly per layer
         bits = calibrate(model, batches[:CALIBRATION_BATCHES], avg_bits=2, loss=setting.loss)
         print(f"allocated bits: {bits}", file=sys.stderr)
     return model
+
+
+def planned(model, preset: str, batches: list, setting: Setting):
+    """`actdesign plan`'s policy for a budget of the preset's exact activation peak at the
+    training batch's shape, calibrated on the first training batches."""
+    from actdesign.runtime import planner, policy
+    from actdesign.runtime.estimate import fake_step
+
+    if isinstance(model, GPT):
+        raise SystemExit("plan@ variants need a model computing its own loss: --arch llama")
+
+    def keywords(batch):
+        inputs, targets = (t.to(setting.device).contiguous() for t in batch)
+        return {"input_ids": inputs, "labels": targets, "shift_labels": targets}
+
+    example = keywords(batches[0])
+    kernels = "cuda" if setting.device.startswith("cuda") else "cpu"
+    _, budget = fake_step(model, example, policy.load(preset), setting.precision, kernels)
+    plan = planner.plan(model, [keywords(b) for b in batches[:CALIBRATION_BATCHES]], budget,
+                        example_inputs=example, precision=setting.precision, kernels=kernels)
+    print(plan.table(), file=sys.stderr)
+    return plan.policy
 
 
 def saved_bytes(model, batch, setting: Setting) -> int:

@@ -607,7 +607,6 @@ def plan_policy(costs: Costs, solution) -> policy_mod.Policy:
     return policy_of(rules)
 
 
-
 # --- the front, and the presets on it ------------------------------------------------------
 
 PRESETS = ("llm", "llm+actnn2", "fewbit3+msnorm", "fewbit3+msnorm+actnn2", "actnn2",
