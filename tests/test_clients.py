@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actdesign.runtime import compress, models
+from actdesign.runtime import compress, models, planner
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -254,3 +254,49 @@ def test_a_compressed_peft_model_trains_in_the_client_as_peft_does(client, tmp_p
     for n, p in adapters[0].items():
         assert (adapters[1][n] - p).norm() <= 1e-4 * p.norm(), n
         assert p.abs().max() > 0  # trained: B left its zeros
+
+
+@pytest.mark.parametrize("client", ["Trainer", "SFTTrainer", "PEFT"])
+def test_recomputed_blocks_train_in_the_clients_as_the_untouched_model(client, tmp_path):
+    """`llm` with every block recomputed (the `checkpoint` rule `actdesign plan` writes): the
+    same losses in Trainer, under PEFT LoRA, and in SFTTrainer, which turns transformers'
+    own checkpointing on after compress (ours then leaves the block to it: one recompute)."""
+    peft = pytest.importorskip("peft") if client == "PEFT" else None
+    trl = pytest.importorskip("trl") if client == "SFTTrainer" else None
+    runs, calls = [], []
+    for compressed in (False, True):
+        model = llama()
+        if peft is not None:
+            model = peft.get_peft_model(model, peft.LoraConfig(
+                r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"]))
+        if compressed:
+            blocks = planner.blocks_of(model)
+            report = compress(model, planner.policy_of(planner.checkpoint_rules(blocks)))
+            assert [c.name for c in report.replaced if "recomputed" in c.new] == blocks
+            assert len(blocks) == 2
+        count = []
+        model.get_decoder().layers[0].self_attn.register_forward_pre_hook(
+            lambda *_, count=count: count.append(1))
+        if trl is not None:
+            g = torch.Generator().manual_seed(0)
+            rows = [{"input_ids": torch.randint(3, VOCAB, (int(n),), generator=g).tolist()}
+                    for n in torch.randint(6, 14, (16,), generator=g)]
+            config = trl.SFTConfig(output_dir=str(tmp_path), max_steps=4,
+                                   per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                   logging_steps=1, report_to=[], use_cpu=True,
+                                   save_strategy="no", disable_tqdm=True)
+            trainer = trl.SFTTrainer(model=model, args=config, processing_class=tokenizer(),
+                                     train_dataset=datasets.Dataset.from_list(rows))
+        else:
+            trainer = transformers.Trainer(model=model, args=arguments(tmp_path,
+                                                                       learning_rate=1e-2),
+                                           train_dataset=token_rows())
+        trainer.train()
+        runs.append(losses(trainer))
+        calls.append(len(count))
+        if trl is not None:  # transformers checkpoints the blocks itself
+            assert model.model.layers[0].gradient_checkpointing is True
+    assert len(runs[1]) == 4
+    # 8 micro-batches: a forward each, and a recompute each where the block is recomputed
+    assert calls == [16 if trl is not None else 8, 16]
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=0)
