@@ -4,11 +4,14 @@ error under an activation-memory budget and a step-time limit.
 The model. A site keeps `bytes` for the backward pass with its chosen option, adds `error` to
 the gradient and `time` to the step. A block either keeps what it saves (its sites' bytes plus
 `inner_bytes`) or is recomputed: it then keeps only `input_bytes`, its sites are `keep`
-(options[0], error 0), and the backward pass re-materialises R_b = inner + Σ keep bytes of
-its sites while it runs, one block at a time:
+(options[0], error 0), and its backward holds `held_bytes` beyond the saved bytes while it
+runs (what it re-materialises and its working memory), one block at a time. Without a
+measured `held_bytes`, that is taken as transient + R_b, R_b = inner + Σ keep bytes of its
+sites: everything re-materialised on top of the largest working memory of the step.
 
     saved = fixed + Σ_s bytes[s, c_s] + Σ_b (inner_b, or input_b - Σ_{s in b} keep_s if r_b)
     peak  = saved + transient + max_{b: r_b} R_b          (0 when nothing is recomputed)
+          = max(saved + transient, saved + max_{b: r_b} held_b), R_b = max(0, held_b - transient)
     time  = base + Σ_s time[s, c_s] + Σ_{b: r_b} time_b
     error = Σ_s error[s, c_s]
 
@@ -106,12 +109,15 @@ class Block:
     input_bytes: int  # what it keeps when recomputed
     inner_bytes: int  # saved by it, counted by none of its sites
     time: float  # its recomputation (a forward)
+    held_bytes: int | None = None  # held beyond the saved bytes while its backward runs
 
     def __post_init__(self):
         what = f"block {self.name!r}"
         object.__setattr__(self, "input_bytes", _count(self.input_bytes, f"{what}: input_bytes"))
         object.__setattr__(self, "inner_bytes", _count(self.inner_bytes, f"{what}: inner_bytes"))
         object.__setattr__(self, "time", _amount(self.time, f"{what}: time"))
+        if self.held_bytes is not None:
+            object.__setattr__(self, "held_bytes", _count(self.held_bytes, f"{what}: held_bytes"))
 
 
 @dataclass(frozen=True)
@@ -158,16 +164,20 @@ def _byte_bound(problem):
     return (problem.fixed_bytes + problem.transient_bytes
             + sum(max(o.bytes for o in s.options) for s in problem.sites)
             + 2 * sum(s.options[0].bytes for s in problem.sites)
-            + 2 * sum(b.inner_bytes + b.input_bytes for b in problem.blocks))
+            + 2 * sum(b.inner_bytes + b.input_bytes + (b.held_bytes or 0)
+                      for b in problem.blocks))
 
 
 def _remat(problem):
-    """R_b: what recomputing block b re-materialises, and Σ keep bytes of its sites."""
+    """R_b: what recomputing block b adds to the peak over the transient, and Σ keep bytes of
+    its sites."""
     keep = [0] * len(problem.blocks)
     for site in problem.sites:
         if site.block is not None:
             keep[site.block] += site.options[0].bytes
-    return [b.inner_bytes + k for b, k in zip(problem.blocks, keep, strict=True)], keep
+    return [b.inner_bytes + k if b.held_bytes is None
+            else max(0, b.held_bytes - problem.transient_bytes)
+            for b, k in zip(problem.blocks, keep, strict=True)], keep
 
 
 def evaluate(problem: Problem, choice, recomputed) -> Solution:

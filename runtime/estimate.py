@@ -176,14 +176,17 @@ class _Live(TorchDispatchMode):
         allocation, n = self.live.pop(key)
         self.events.append((allocation, -n))
 
-    def peak(self, leave_out=()) -> int:
-        """The most bytes alive at once, allocations in `leave_out` aside."""
+    def peak(self, leave_out=(), between=None) -> int:
+        """The most bytes alive at once, allocations in `leave_out` aside; with `between`, a
+        pair of event counts, the most alive from the first to the second."""
         leave_out = {self.live[k][0] for k in leave_out if k in self.live}
+        start, end = between or (0, len(self.events))
         now = peak = 0
-        for allocation, n in self.events:
+        for i, (allocation, n) in enumerate(self.events[:end]):
             if allocation not in leave_out:
                 now += n
-                peak = max(peak, now)
+                if i >= start - 1:
+                    peak = max(peak, now)
         return peak
 
 
@@ -325,11 +328,11 @@ def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say) -> Row:
 
 
 def fake_step(model, example, policy: policy_mod.Policy, precision: str,
-              kernels: str = "cuda", counter=None) -> tuple:
+              kernels: str = "cuda", counter=None, window_peaks=None) -> tuple:
     """(SavedBytes, activation peak) of one training step of a copy of `model` (the given
     module, untouched) on fake tensors, compressed by `policy`, on inputs shaped as `example`
     (real tensors: a tensor, a tuple or a dict). `counter`, a dispatch mode such as torch's
-    FlopCounterMode, watches the step."""
+    FlopCounterMode, watches the step. `window_peaks`: as `step`'s."""
     mode = _ShapesOnly(kernels)
     memo = {}
     for t in (*model.parameters(), *model.buffers()):
@@ -348,27 +351,53 @@ def fake_step(model, example, policy: policy_mod.Policy, precision: str,
         if policy.rules:
             compress(copy_, policy)
         with counter if counter is not None else contextlib.nullcontext():
-            return step(copy_, inputs, precision)
+            return step(copy_, inputs, precision, window_peaks)
 
 
-def step(model, inputs, precision) -> tuple:
+def step(model, inputs, precision, window_peaks=None) -> tuple:
     """(SavedBytes, activation peak) of one forward and backward of `model` on `inputs`, fake
     or real tensors alike: the peak is the most bytes alive at once of the storages the step
-    makes, the parameters' gradients aside."""
+    makes, the parameters' gradients aside. `window_peaks`, a dict keyed by module names, gets
+    for each the most bytes alive while its backward ran (from its output's gradient to its
+    input's), where it ran once."""
     weights = _distinct((*model.parameters(), *model.buffers()))
     given = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]  # any batch form
     live = _Live((*weights, *_distinct(given)))
+    marks = {name: {"calls": 0, "events": []} for name in window_peaks or ()}
+    modules = dict(model.named_modules())
+    handles = [modules[name].register_forward_hook(_marking(live, marks[name]))
+               for name in marks]
 
     def loss():
         with forward_context(precision, "cpu"):
             return models.loss_of(models.call(model, inputs))
 
-    with live:
-        saved, out = account(model, loss)
-        out.backward()
-        del out
+    try:
+        with live:
+            saved, out = account(model, loss)
+            out.backward()
+            del out
+    finally:
+        for h in handles:
+            h.remove()
     grads = _distinct(p.grad for p in model.parameters() if p.grad is not None)
+    for name, window in marks.items():
+        if window["calls"] == 1 and len(window["events"]) == 2:
+            window_peaks[name] = live.peak(grads, between=window["events"])
     return saved, live.peak(grads)
+
+
+def _marking(live: _Live, window: dict):
+    """A forward hook noting the event counts when the gradient of the module's first output
+    arrives and when that of its first input leaves: its backward's window."""
+    def hook(module, args, output):
+        window["calls"] += 1
+        ends = [next((t for t in tree_leaves(x) if isinstance(t, torch.Tensor)), None)
+                for x in (output, args)]
+        if window["calls"] == 1 and all(t is not None and t.requires_grad for t in ends):
+            for t in ends:
+                t.register_hook(lambda g: window["events"].append(len(live.events)))
+    return hook
 
 
 @contextlib.contextmanager

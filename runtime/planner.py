@@ -9,8 +9,10 @@ MS norms, MS-GLU, RoPE, the fused loss, lean layers) apply wherever they can, at
 Each site's options are priced three ways:
 - bytes: one shape-only step (`estimate`'s fake tensors, at the target shape) per class of
   sites (the same site in every block) and option; a site's bytes are the change in the
-  saved bytes of its block. A block's recomputation keeps its input (one more step with
-  every block recomputed). The plan's peak is then checked by a shape-only step of the
+  saved bytes of its block. A block's recomputation keeps its input, and while its
+  backward runs it holds what it re-materialises and its working memory (one more step,
+  with every block recomputed, measures both per block). The plan's peak is then checked by
+  a shape-only step of the
   planned policy itself, and a plan over the budget is planned again under a budget lowered
   by the excess, so the peak reported is the exact one.
 - gradient error: what the option adds to E‖ĝ − g‖² / E‖g‖² of the parameter gradient, on
@@ -335,7 +337,8 @@ def measure_costs(model, batches, example, precision, device, kernels, calibrati
                                                                              members)
             if any(delta[s, label] < 0 for s in members):
                 offered[name].append(label)
-    recomputed = shapes.run(policy_of(checkpoint_rules(blocks))) if blocks else None
+    recomputed = shapes.run(policy_of(checkpoint_rules(blocks)), windows=blocks) \
+        if blocks else None
     clock.lap("bytes")
 
     clock.say("gradient errors on the calibration batches")
@@ -360,9 +363,13 @@ def measure_costs(model, batches, example, precision, device, kernels, calibrati
             inner[s.block] -= keep
     # a recomputed block runs its forward again: a third of its step's FLOPs, and it writes
     # what it saves once more
+    # while a recomputed block's backward runs, it holds what the step with every block
+    # recomputed held then beyond its saved bytes (a block whose backward is not one window
+    # takes the solver's bound)
     problem_blocks = [solver.Block(b, recomputed.block_bytes(b), inner[b],
                                    lossless.flops_of(b) / 3 / flops_rate
-                                   + lossless.block_bytes(b) / bandwidth) for b in blocks]
+                                   + lossless.block_bytes(b) / bandwidth,
+                                   recomputed.held_bytes(b)) for b in blocks]
     base_time = lossless.flops / flops_rate + 2 * lossless.saved.total / bandwidth
     problem = solver.Problem(tuple(problem_sites), tuple(problem_blocks), outside,
                              lossless.peak - lossless.saved.total, base_time)
@@ -385,10 +392,16 @@ class ShapeStep:
     peak: int
     flops: int = 0
     flops_by_module: dict = field(default_factory=dict)
+    window_peaks: dict = field(default_factory=dict)  # block -> most bytes alive in its backward
 
     def block_bytes(self, block: str) -> int:
         return sum(n for name, n in self.saved.by_module.items()
                    if name == block or name.startswith(block + "."))
+
+    def held_bytes(self, block: str) -> int | None:
+        """The most bytes alive beyond the saved ones while the block's backward ran."""
+        peak = self.window_peaks.get(block)
+        return None if peak is None else max(0, peak - self.saved.total)
 
     def flops_of(self, name: str) -> int:
         return self.flops_by_module.get(name, 0)
@@ -403,7 +416,7 @@ class ShapeSteps:
         self.precision, self.kernels = precision, kernels
         self.count = 0
 
-    def run(self, rules, flops=False, label="plan") -> ShapeStep:
+    def run(self, rules, flops=False, label="plan", windows=()) -> ShapeStep:
         from torch.utils.flop_counter import FlopCounterMode
 
         from .estimate import fake_step
@@ -412,14 +425,16 @@ class ShapeSteps:
         policy = rules if isinstance(rules, policy_mod.Policy) else policy_mod.validate(
             {"format": policy_mod.FORMAT, "rules": rules}, label=label)
         counter = FlopCounterMode(display=False) if flops else None
+        window_peaks = dict.fromkeys(windows)
         saved, peak = fake_step(self.model, self.example, policy, self.precision,
-                                self.kernels, counter)
+                                self.kernels, counter, window_peaks)
+        window_peaks = {k: v for k, v in window_peaks.items() if v is not None}
         if counter is None:
-            return ShapeStep(saved, peak)
+            return ShapeStep(saved, peak, window_peaks=window_peaks)
         by_module = {}
         for name, ops in counter.get_flop_counts().items():
             by_module[name.split(".", 1)[1] if "." in name else ""] = sum(ops.values())
-        return ShapeStep(saved, peak, counter.get_total_flops(), by_module)
+        return ShapeStep(saved, peak, counter.get_total_flops(), by_module, window_peaks)
 
 
 # --- gradient errors ---------------------------------------------------------------------
