@@ -185,7 +185,7 @@ class _Live(TorchDispatchMode):
         for i, (allocation, n) in enumerate(self.events[:end]):
             if allocation not in leave_out:
                 now += n
-                if i >= start - 1:
+                if i + 1 >= start:  # after event i, `i + 1` events have happened
                     peak = max(peak, now)
         return peak
 

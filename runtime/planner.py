@@ -12,9 +12,8 @@ Each site's options are priced three ways:
   saved bytes of its block. A block's recomputation keeps its input, and while its
   backward runs it holds what it re-materialises and its working memory (one more step,
   with every block recomputed, measures both per block). The plan's peak is then checked by
-  a shape-only step of the
-  planned policy itself, and a plan over the budget is planned again under a budget lowered
-  by the excess, so the peak reported is the exact one.
+  a shape-only step of the planned policy itself, and a plan over the budget is planned
+  again under a budget lowered by the excess, so the peak reported is the exact one.
 - gradient error: what the option adds to E‖ĝ − g‖² / E‖g‖² of the parameter gradient, on
   the calibration batches and the model's weights, dropout off (its noise is not the
   method's), against the lossless model's gradient. One forward and backward per batch for
@@ -362,10 +361,9 @@ def measure_costs(model, batches, example, precision, device, kernels, calibrati
         else:
             inner[s.block] -= keep
     # a recomputed block runs its forward again: a third of its step's FLOPs, and it writes
-    # what it saves once more
-    # while a recomputed block's backward runs, it holds what the step with every block
-    # recomputed held then beyond its saved bytes (a block whose backward is not one window
-    # takes the solver's bound)
+    # what it saves once more; while its backward runs, it holds what the step with every
+    # block recomputed held then beyond its saved bytes (a block whose backward is not one
+    # window takes the solver's bound)
     problem_blocks = [solver.Block(b, recomputed.block_bytes(b), inner[b],
                                    lossless.flops_of(b) / 3 / flops_rate
                                    + lossless.block_bytes(b) / bandwidth,

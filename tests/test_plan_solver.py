@@ -27,10 +27,12 @@ from actdesign.errors import ActdesignError
 
 
 def small_problem(rng, grid):
-    """0-2 blocks of 1-3 sites, 0-2 sites outside, 2-4 options a site. On a grid, errors and
-    times are multiples of powers of two: their sums are exact, so ties are real ties."""
+    """0-2 blocks of 1-3 sites, 0-2 sites outside, 2-4 options a site; half the blocks with a
+    measured held_bytes (below or above the transient). On a grid, errors and times are
+    multiples of powers of two: their sums are exact, so ties are real ties."""
     blocks = [Block(f"b{b}", int(rng.integers(1, 50)), int(rng.integers(0, 100)),
-                    rng.integers(1, 8) / 64 if grid else rng.uniform(0.01, 0.1))
+                    rng.integers(1, 8) / 64 if grid else rng.uniform(0.01, 0.1),
+                    int(rng.integers(0, 150)) if rng.random() < 0.5 else None)
               for b in range(int(rng.integers(0, 3)))]
     sites = []
     for b in [*range(len(blocks)), None]:
@@ -277,3 +279,16 @@ def test_bad_limits_and_plans():
         evaluate(problem, (), ())
     with pytest.raises(ActdesignError, match="has no option 9"):
         evaluate(problem, (9,) * len(problem.sites), (False,) * len(problem.blocks))
+
+
+def test_a_measured_held_bytes_is_the_peak_of_its_blocks_backward():
+    """peak = max(saved + transient, saved + held_b over the recomputed blocks)."""
+    site = Site("s", [Option("keep", 40, 0.0, 0.0)], 0)
+    for held, transient in [(500, 100), (50, 100), (None, 100)]:
+        problem = Problem([site], [Block("b", 10, 60, 0.1, held)], 7, transient, 1.0)
+        plan = evaluate(problem, (0,), (True,))
+        assert plan.saved == 7 + 10
+        remat = 60 + 40 if held is None else held - transient
+        assert plan.peak == plan.saved + transient + max(0, remat)
+        assert plan.peak == max(plan.saved + transient,
+                                plan.saved + (transient + 100 if held is None else held))

@@ -89,7 +89,7 @@ def test_sites_group_the_layers_reading_one_tensor():
     assert kinds.count("conv2d") == 4 and "activation" in kinds
 
 
-def test_the_planned_peak_fits_every_budget_on_a_real_step(planned, request):
+def test_the_planned_peak_fits_every_budget_on_a_real_step(planned):
     """Six budgets from the smallest feasible to the uncompressed peak: the saved bytes and
     the activation peak of a real CPU step of the planned model are within each."""
     name, model, example, costs = planned
@@ -109,7 +109,7 @@ def test_a_budget_below_the_smallest_is_refused_with_the_smallest(planned):
         verified(model, example, costs, low - 1)
 
 
-def test_predicted_error_is_the_measured_one(planned, request):
+def test_predicted_error_is_the_measured_one(planned):
     """Across the front, the sum of the sites' errors is within 30% of the error measured
     on the planned model: sites' errors add (independent ActNN draws; errors on different
     weights; the activations' split by their local errors)."""
