@@ -14,10 +14,11 @@ A chunk's cross-entropy is one pass over its logits each way where Triton runs (
 kernels read the logits in the product's dtype, keep float32 in registers and write the
 gradient over the logits. Elsewhere torch's ops compute it from a float32 copy.
 
-The semantics are transformers' causal-LM loss: labels shifted by one (or `shift_labels`
-given), `ignore_index` skipped, the mean over counted tokens or the sum over
-`num_items_in_batch`. Under autocast the product runs in the autocast dtype and the
-cross-entropy in float32, as eager transformers does; the weight is cast per call, not kept.
+The semantics are transformers' causal-LM loss: labels shifted by one here (or
+`shift_labels` given, or `shift=False` for labels that need no shift), `ignore_index`
+skipped, the mean over counted tokens or the sum over `num_items_in_batch`. Under autocast
+the product runs in the autocast dtype and the cross-entropy in float32, as eager
+transformers does; the weight is cast per call, not kept.
 """
 
 from __future__ import annotations
@@ -45,18 +46,21 @@ from .targets import is_causal_lm
 
 def fused_linear_cross_entropy(hidden, weight, labels=None, *, shift_labels=None,
                                ignore_index: int = -100, num_items_in_batch=None,
-                               chunk_size: int | None = None):
+                               chunk_size: int | None = None, shift: bool = True):
     """The causal-LM loss of logits = hidden @ weight.T, without the logits.
 
-    hidden: (..., T, d); weight: (V, d); labels: (..., T), shifted here so that token t
-    predicts label t + 1, or `shift_labels` (..., T) already aligned with hidden. Returns the
-    mean over tokens whose label is not `ignore_index`, or their sum divided by
-    `num_items_in_batch` when given. `chunk_size` tokens per chunk (default: about as many
-    logits per chunk as the hidden states have values, at least 256 tokens)."""
+    hidden: (..., T, d); weight: (V, d); labels: (..., T), shifted here by one, as
+    transformers' causal-LM loss does, so that token t predicts label t + 1 (the last token
+    predicts nothing); pass the same ids as the inputs. With `shift=False` the labels are used
+    as they are, aligned with hidden (a model that is not causal, or labels shifted already);
+    `shift_labels` (..., T) is such labels too. Returns the mean over tokens whose label is
+    not `ignore_index`, or their sum divided by `num_items_in_batch` when given. `chunk_size`
+    tokens per chunk (default: about as many logits per chunk as the hidden states have
+    values, at least 256 tokens)."""
     if (labels is None) == (shift_labels is None):
         raise ActdesignError("give labels or shift_labels, not both or neither")
     if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift else labels
     if hidden.shape[:-1] != shift_labels.shape:
         raise ActdesignError(f"hidden states {tuple(hidden.shape)} and labels "
                              f"{tuple(shift_labels.shape)} do not match")

@@ -84,6 +84,36 @@ def test_shift_labels_and_every_label_ignored():
         fused_linear_cross_entropy(hidden, weight[:, :5], labels)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_shift_false_is_the_cross_entropy_of_the_labels_as_given(autocast):
+    """shift=False reads labels aligned with the hidden states (a model that is not causal,
+    or labels shifted already): the unfused cross-entropy of the same labels, unshifted.
+    float32: both compute the same float32 numbers in another order of sums, so torch's
+    float32 tolerances hold. Under bf16 autocast both round the logits to bf16 (eps 2^-8)
+    before a float32 cross-entropy; the chunked product may round some logits the other
+    way, so the loss and gradients agree to within that rounding, relative to their norm."""
+    hidden, weight, labels = problem(torch.float32, tokens=45, d=32, vocab=257)
+
+    def unfused(h, w):
+        logits = F.linear(h, w).float()
+        return F.cross_entropy(logits.flatten(0, -2), labels.reshape(-1), ignore_index=-100)
+
+    expected = loss_and_grads(unfused, hidden, weight, autocast)
+    got = loss_and_grads(lambda h, w: fused_linear_cross_entropy(h, w, labels, shift=False,
+                                                                 chunk_size=16),
+                         hidden, weight, autocast)
+    shifted = loss_and_grads(lambda h, w: fused_linear_cross_entropy(h, w, labels), hidden,
+                             weight, autocast)
+    assert (shifted[0] - expected[0]).abs() > 0.01  # the default shift reads other labels
+    for g, e in zip(got, expected, strict=True):
+        if autocast:
+            assert (g.double() - e.double()).norm() <= 2 ** -8 * e.double().norm()
+        else:
+            torch.testing.assert_close(g, e)
+    same = fused_linear_cross_entropy(hidden, weight, shift_labels=labels)
+    assert torch.equal(fused_linear_cross_entropy(hidden, weight, labels, shift=False), same)
+
+
 @pytest.mark.parametrize("mode", ["float32", "autocast", "bf16"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("backend", ["auto", "triton"])
