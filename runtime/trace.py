@@ -84,8 +84,8 @@ class _Probe(TorchFunctionMode):
             elif name in _ROW_VIEWS and self._keeps_rows(args, out, norm, name):
                 self.watch(out, norm)
             else:
-                self.blocked.setdefault(norm, f"its output also feeds {name}() outside a "
-                                              "Linear layer")
+                self.blocked.setdefault(norm, f"its output is also read by {name}() outside a "
+                                              "Linear layer, which needs the output itself")
         return out
 
     def _reader(self, norm):

@@ -171,9 +171,9 @@ class Permuted(nn.Module):
 
 
 @pytest.mark.parametrize("cls, inputs, why", [
-    (PostNorm, torch.randn(2, 8), "feeds add() outside a Linear"),
+    (PostNorm, torch.randn(2, 8), "read by add() outside a Linear"),
     (Returned, torch.randn(2, 8), "model output"),
-    (Permuted, torch.randn(2, 8), "feeds __getitem__() outside a Linear"),
+    (Permuted, torch.randn(2, 8), "read by __getitem__() outside a Linear"),
 ])
 def test_norms_whose_output_has_other_uses_are_left_alone(cls, inputs, why):
     """An MS norm emits its output in the dtype its Linear readers compute in, so it replaces
