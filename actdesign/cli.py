@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 
 import click
@@ -25,16 +26,34 @@ _QUIET = click.option("--quiet", "-q", is_flag=True,
                       help="No progress lines on stderr (results on stdout are the same).")
 
 
+ANNOUNCE_AFTER = 0.5  # seconds
+
+
 @contextlib.contextmanager
 def _step(what: str, quiet: bool):
-    """One line on stderr as a long step starts, and one with its seconds when it ends."""
+    """A line on stderr once a step has run ANNOUNCE_AFTER seconds, and one with its seconds
+    when it ends. The delay keeps a request refused at once to its one-line error."""
     if quiet:
         yield
         return
-    click.echo(f"{what} ...", err=True)
-    start = time.perf_counter()
-    yield
-    click.echo(f"{what}: done in {time.perf_counter() - start:.1f} s", err=True)
+    start, said = time.perf_counter(), []
+
+    def say():
+        said.append(True)
+        click.echo(f"{what} ...", err=True)
+
+    if ANNOUNCE_AFTER <= 0:
+        say()
+    announce = threading.Timer(max(ANNOUNCE_AFTER, 0), say if ANNOUNCE_AFTER > 0 else list)
+    announce.daemon = True
+    announce.start()
+    try:
+        yield
+    finally:
+        announce.cancel()
+        announce.join()  # a line already on its way is out before the next one
+    if said:
+        click.echo(f"{what}: done in {time.perf_counter() - start:.1f} s", err=True)
 
 
 def _check_out(path, kind, force):
@@ -134,8 +153,10 @@ def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out, 
         with _step(f"fitting a {bits}-bit piecewise-linear {act.label}", quiet):
             spec = spec_mod.from_pwl(fit_pwl(act, bits, w, tail_tol))
     else:
-        from .designer.stepwise import fit_stepwise
+        from .designer.stepwise import MAX_GRID, _integer, default_grid, fit_stepwise
 
+        # Checked before the progress line: a refused request prints its error alone.
+        _integer("grid", default_grid(bits) if grid is None else grid, 2 * 2**bits, MAX_GRID)
         long_fit = bits >= 6 or (grid or 0) > 8192
         with _step(f"fitting a {bits}-bit table for {act.label}'", quiet or not long_fit):
             if long_fit and not quiet and sys.stderr.isatty():

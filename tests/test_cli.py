@@ -124,7 +124,10 @@ def test_hostile_inputs_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypa
     assert (tmp_path / "fifo").is_fifo()
 
 
-def test_fit_pwl_show_and_gen_kernel(capsys, tmp_path):
+def test_fit_pwl_show_and_gen_kernel(capsys, tmp_path, monkeypatch):
+    import actdesign.cli
+
+    monkeypatch.setattr(actdesign.cli, "ANNOUNCE_AFTER", 0)  # however quick the fit is
     out_file = tmp_path / "regelu2.json"
     code, out, err = run(capsys, "fit", "gelu", "--kind", "pwl", "--bits", "2", "--out",
                          str(out_file), "--no-cache")
@@ -323,8 +326,9 @@ def test_long_fit_shows_a_progress_bar_on_a_terminal(tmp_path):
     assert b"optimal grid partition" in b"".join(chunks)
     # Not on a pipe: the same fit through a pipe prints no bar, only its start and end lines,
     # and with --quiet not even those.
-    command = [sys.executable, "-c", "from actdesign.cli import main; main()", "fit", "gelu",
-               "--bits", "6", "--no-cache"]
+    announce_at_once = "import actdesign.cli as c; c.ANNOUNCE_AFTER = 0; c.main()"
+    command = [sys.executable, "-c", announce_at_once, "fit", "gelu", "--bits", "6",
+               "--no-cache"]
     piped = subprocess.run(command, capture_output=True, timeout=300, text=True)
     assert piped.returncode == 0
     assert piped.stderr.startswith("fitting a 6-bit table for gelu' ...\n")
@@ -420,5 +424,5 @@ def test_pwl_asymptotes_are_bounded(capsys):
     # sympy's limit of x + tanh(tanh(tanh(tanh(tanh(x))))) never returns.
     text = "x + " + "tanh(" * 5 + "x" + ")" * 5
     with within(20.0, "pwl asymptotes"):  # 5 s a side at most
-        code, out, err = run(capsys, "fit", text, "--kind", "pwl", "--bits", "2")
+        code, out, err = run(capsys, "fit", text, "--kind", "pwl", "--bits", "2", "--quiet")
     assert code == 2 and out == "" and err.count("\n") == 1 and "asymptotes" in err, err
