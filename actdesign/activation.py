@@ -1,19 +1,20 @@
 """Activations: one definition (a formula in the expression language), every backend.
 
-A built-in is a registry entry whose formula is parsed like any user expression, so f, f' and
-f'' for numpy come from the same sympy tree that later stages print for torch and Triton.
+A built-in is a registry entry whose formula later stages parse like any user expression and
+print for torch and Triton. Its numpy f, f' and f'' come from a closed-form table
+(`closed_forms`) that computes what that sympy tree computes, so fitting a built-in never
+imports sympy; an expression is parsed (with sympy) when it is given.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import sympy as sp
 
-from . import expr as _expr
+from . import closed_forms
 from .errors import ActdesignError
 
 
@@ -70,39 +71,60 @@ class Activation:
 
     formula: str
     name: str | None = None  # the built-in's canonical name, None for an expression
-    f_expr: sp.Expr = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.f_expr is None:
-            object.__setattr__(self, "f_expr", _expr.parse(self.formula))
+        if self.name is None:
+            self.f_expr  # noqa: B018  (a bad expression fails here, where it is given)
 
     @property
     def label(self) -> str:
         return self.name or self.formula
 
     @cached_property
-    def df_expr(self) -> sp.Expr:
-        return _expr.derivatives(self.f_expr)[0]
+    def f_expr(self):
+        """The sympy tree, parsed on first use (sympy is imported then)."""
+        from . import expr
+
+        return expr.parse(self.formula)
 
     @cached_property
-    def d2f_expr(self) -> sp.Expr:
-        return _expr.derivatives(self.f_expr)[1]
+    def df_expr(self):
+        from . import expr
+
+        return expr.derivatives(self.f_expr)[0]
+
+    @cached_property
+    def d2f_expr(self):
+        from . import expr
+
+        return expr.derivatives(self.f_expr)[1]
 
     @cached_property
     def f(self):
-        return _expr.numpy_function(self.f_expr)
+        return self._numpy(0, "f_expr")
 
     @cached_property
     def df(self):
-        return _expr.numpy_function(self.df_expr)
+        return self._numpy(1, "df_expr")
 
     @cached_property
     def d2f(self):
-        return _expr.numpy_function(self.d2f_expr)
+        return self._numpy(2, "d2f_expr")
+
+    def _numpy(self, order: int, tree: str):
+        if self.name is not None:
+            return closed_forms.vectorised(closed_forms.TABLE[self.name][order])
+        from . import expr
+
+        return expr.numpy_function(getattr(self, tree))
 
     def breakpoints(self, lo: float, hi: float) -> np.ndarray:
         """Where f' may jump or kink inside [lo, hi]."""
-        return _expr.breakpoints(self.df_expr, lo, hi)
+        if self.name is not None:
+            return closed_forms.breakpoints(self.name, lo, hi)
+        from . import expr
+
+        return expr.breakpoints(self.df_expr, lo, hi)
 
     @property
     def torch_code(self) -> str:

@@ -1,12 +1,17 @@
 """The `actdesign` command. Commands parse, call the library and print; nothing more.
 
 Errors a user can cause print one line on stderr and exit with code 2, without a traceback.
-torch and triton are never imported by `list`, `fit`, `show` or `gen-kernel`.
+torch and triton are never imported by `list`, `fit`, `show` or `gen-kernel`, and sympy only
+where an expression is parsed or a kernel printed. Long steps say so on stderr (--quiet
+silences them); stdout holds the results alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+import time
 
 import click
 
@@ -15,6 +20,40 @@ from .errors import ActdesignError
 _FORCE = click.option("--force", is_flag=True,
                       help="Overwrite an output that is not an actdesign output of the same "
                            "kind, or replace a symbolic link.")
+
+
+_QUIET = click.option("--quiet", "-q", is_flag=True,
+                      help="No progress lines on stderr (results on stdout are the same).")
+
+
+ANNOUNCE_AFTER = 0.5  # seconds
+
+
+@contextlib.contextmanager
+def _step(what: str, quiet: bool):
+    """A line on stderr once a step has run ANNOUNCE_AFTER seconds, and one with its seconds
+    when it ends. The delay keeps a request refused at once to its one-line error."""
+    if quiet:
+        yield
+        return
+    start, said = time.perf_counter(), []
+
+    def say():
+        said.append(True)
+        click.echo(f"{what} ...", err=True)
+
+    if ANNOUNCE_AFTER <= 0:
+        say()
+    announce = threading.Timer(max(ANNOUNCE_AFTER, 0), say if ANNOUNCE_AFTER > 0 else list)
+    announce.daemon = True
+    announce.start()
+    try:
+        yield
+    finally:
+        announce.cancel()
+        announce.join()  # a line already on its way is out before the next one
+    if said:
+        click.echo(f"{what}: done in {time.perf_counter() - start:.1f} s", err=True)
 
 
 def _check_out(path, kind, force):
@@ -80,17 +119,22 @@ def _weight(spec: str, mean: float | None, std: float | None, domain):
 @click.option("--grid", type=int, help="Candidate-grid cells for the exact stage "
                                        "[max(2048, 32 * 2^bits)].")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), help="Write the spec here.")
+@click.option("--no-cache", is_flag=True,
+              help="Fit again even if this very table was fitted before (and keep the new one).")
+@_QUIET
 @_FORCE
-def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out, force):
+def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out, no_cache, quiet,
+        force):
     """Fit an optimal few-bit table for ACTIVATION: a step function for f' (stepwise), or a
     piecewise-linear f whose derivative is one (pwl).
 
     ACTIVATION is a built-in name (see 'actdesign list') or an expression in x, such as
-    "x*sigmoid(1.702*x)".
+    "x*sigmoid(1.702*x)". A table fitted before for the same request is read back from the
+    cache (see --no-cache).
     """
+    from . import fit_cache
     from . import spec as spec_mod
     from .activation import resolve
-    from .designer import fit_stepwise
 
     _check_out(out, "spec", force)
     act = resolve(activation)
@@ -98,19 +142,32 @@ def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out, 
         raise ActdesignError("--grid applies to --kind stepwise only")
     unweighted = kind == "pwl" and (weight, mean, std, domain) == (None,) * 4
     w = None if unweighted else _weight(weight or "normal", mean, std, domain)
+    request = fit_cache.request(act, bits, kind, w, grid, tail_tol if kind == "pwl" else None)
+    cached = None if no_cache else fit_cache.load(request)
+    if cached is not None:
+        _report(cached, out)
+        return
     if kind == "pwl":
         from .designer.pwl import fit_pwl
 
-        _report(spec_mod.from_pwl(fit_pwl(act, bits, w, tail_tol)), out)
-        return
-    long_fit = bits >= 6 or (grid or 0) > 8192
-    if long_fit and sys.stderr.isatty():
-        with click.progressbar(length=2**bits - 1, label="optimal grid partition",
-                               file=sys.stderr) as bar:
-            result = fit_stepwise(act, bits, w, grid, lambda done, total: bar.update(1))
+        with _step(f"fitting a {bits}-bit piecewise-linear {act.label}", quiet):
+            spec = spec_mod.from_pwl(fit_pwl(act, bits, w, tail_tol))
     else:
-        result = fit_stepwise(act, bits, w, grid)
-    _report(spec_mod.from_fit(result), out)
+        from .designer.stepwise import MAX_GRID, _integer, default_grid, fit_stepwise
+
+        # Checked before the progress line: a refused request prints its error alone.
+        _integer("grid", default_grid(bits) if grid is None else grid, 2 * 2**bits, MAX_GRID)
+        long_fit = bits >= 6 or (grid or 0) > 8192
+        with _step(f"fitting a {bits}-bit table for {act.label}'", quiet or not long_fit):
+            if long_fit and not quiet and sys.stderr.isatty():
+                with click.progressbar(length=2**bits - 1, label="optimal grid partition",
+                                       file=sys.stderr) as bar:
+                    result = fit_stepwise(act, bits, w, grid, lambda done, total: bar.update(1))
+            else:
+                result = fit_stepwise(act, bits, w, grid)
+        spec = spec_mod.from_fit(result)
+    fit_cache.store(request, spec)
+    _report(spec, out)
 
 
 def _report(spec, out):
@@ -168,8 +225,8 @@ def gen_kernel(spec_file, out, force):
     spec = load(spec_file)
     _check_out(out, "module", force)
     write(spec, out)
-    click.echo(f"wrote {out}: {spec.bits}-bit codes, {spec.bits / 8:g} bytes per element saved "
-               "for backward")
+    click.echo(f"wrote {out}: {spec.bits}-bit codes; the op stores {spec.bits / 8:g} bytes per "
+               "element for backward, against 2 for a bf16 input (4 for float32)")
     click.echo(f"use it: import {Path(out).stem}  (or actdesign.runtime.load({spec_file!r}))")
 
 
@@ -185,8 +242,6 @@ def allocate(stats_file, avg_bits, out, force):
     STATS is {"format": "actdesign.stats/1", "items": [{"name", "C", "w"}, ...]}, as
     calibration writes it. Also prints the published heap greedy for comparison.
     """
-    import time
-
     import numpy as np
 
     from .designer.allocate import allocate, greedy_heap, load_stats, save_bits, variance

@@ -21,6 +21,7 @@ from functools import lru_cache
 import numpy as np
 import sympy as sp
 
+from . import closed_forms
 from .errors import ActdesignError
 
 X = sp.Symbol("x", real=True)
@@ -441,21 +442,10 @@ class _Shape:
 
 # --- numpy backend -------------------------------------------------------------------------
 
-def _np_sigmoid(a):
-    a = np.asarray(a, dtype=float)
-    e = np.exp(-np.abs(a))
-    return np.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-def _np_softplus(a):
-    a = np.asarray(a, dtype=float)
-    return np.maximum(a, 0.0) + np.log1p(np.exp(-np.abs(a)))
-
-
 def _np_special():
     import scipy.special
 
-    return {"sigmoid": _np_sigmoid, "softplus": _np_softplus,
+    return {"sigmoid": closed_forms.sigmoid, "softplus": closed_forms.softplus,
             "erf": scipy.special.erf, "erfc": scipy.special.erfc}
 
 
@@ -466,15 +456,7 @@ def numpy_function(expr: sp.Expr):
     where() are all evaluated, so floating-point warnings are silenced; results are exact for
     the chosen branch.
     """
-    fn = sp.lambdify(X, expr, modules=[_np_special(), "numpy"])
-
-    def evaluate(x):
-        x = np.asarray(x, dtype=float)
-        with np.errstate(all="ignore"):
-            out = np.asarray(fn(x), dtype=float)
-        return np.broadcast_to(out, x.shape).copy() if out.shape != x.shape else out
-
-    return evaluate
+    return closed_forms.vectorised(sp.lambdify(X, expr, modules=[_np_special(), "numpy"]))
 
 
 def breakpoints(expr: sp.Expr, lo: float, hi: float) -> np.ndarray:

@@ -43,7 +43,8 @@ def describe(spec: Spec, origin: str | None = None) -> str:
             parts.append(f"relative {err['relative']:.4e}")
         if "grid_E" in err and err["grid_E"] > 0:
             gain = (err["grid_E"] - err["E"]) / err["grid_E"]
-            parts.append(f"grid optimum {err['grid_E']:.6e} ({100 * gain:.3f}% better)")
+            parts.append(f"the refined optimum is {100 * gain:.3f}% better than the grid's "
+                         f"{err['grid_E']:.6e}")
         if "stationarity" in err:
             parts.append(f"stationarity {err['stationarity']:.1e}")
         lines.append("; ".join(parts))

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import jinja2
 import numpy as np
@@ -21,7 +22,9 @@ from actdesign import spec as spec_mod
 from actdesign.errors import ActdesignError
 from actdesign.files import module_header, write_atomic
 
-from .printers import TORCH, TRITON, Code, literal, print_code
+if TYPE_CHECKING:
+    from .printers import Code
+
 
 RENDERABLE_KINDS = ("stepwise", "pwl")  # both end as borders and levels
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -30,6 +33,8 @@ _SAFE_LABEL = re.compile(r"[A-Za-z0-9_ .,*+\-/()<>=&|~]+")  # what sympy prints;
 
 def render(source) -> str:
     """The op module's source for a spec (a path, a dict or a Spec), deterministically."""
+    from .printers import TORCH, TRITON, Code, literal, print_code  # sympy: only here
+
     spec = spec_mod.load(source)
     if spec.kind not in RENDERABLE_KINDS:
         raise ActdesignError(f"cannot generate kernels for a {spec.kind!r} spec")

@@ -27,7 +27,6 @@ from types import ModuleType
 
 from actdesign import __version__
 from actdesign import spec as spec_mod
-from actdesign.codegen.render import render
 from actdesign.errors import ActdesignError
 
 _LOCK = threading.Lock()
@@ -136,6 +135,8 @@ def load(source) -> ModuleType:
     memo = spec_mod.behaviour_json(spec)
     with _LOCK:
         if memo not in _BY_SPEC:
+            from actdesign.codegen.render import render  # printing imports sympy
+
             _BY_SPEC[memo] = _load_source(render(spec))
         return _BY_SPEC[memo]
 

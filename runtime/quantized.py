@@ -10,6 +10,7 @@ in any process, and checkpointing's recompute, which replays the generator, draw
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,6 +22,22 @@ from .cache import generated
 from .compressed import CompressedConv2d, CompressedLinear, compressed_call
 from .fake import on_host
 from .sharing import whole
+
+
+def eager(fn):
+    """`torch.compiler.disable(fn)`, applied at the first call rather than at import: the
+    decorator imports torch._dynamo, seconds that only a program which calls `fn` should pay.
+    Under torch.compile the result is the same: the call graph-breaks and `fn` runs eagerly."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
 
 
 def actnn_ops():
@@ -67,7 +84,7 @@ class _QuantizedInput:
 
     # torch.compile runs these eagerly: the codes' layout comes from host-side bits, and the
     # numba kernels cannot be traced.
-    @torch.compiler.disable
+    @eager
     def compress(self, x):
         with on_host():  # bits and seeds are the host's, on fake tensors too
             bits = self._sample_bits(x)
@@ -86,7 +103,7 @@ class _QuantizedInput:
         changed in place since."""
         setattr(x, _SHARED, (self.group_size, x._version, codes))
 
-    @torch.compiler.disable
+    @eager
     def restore(self, saved, shape, dtype):
         packed, lo, width, bits = saved
         x = actnn_ops().dequantize(packed, lo, width, bits, math.prod(shape[1:]),

@@ -124,11 +124,19 @@ def test_hostile_inputs_are_one_line_with_exit_code_2(capsys, tmp_path, monkeypa
     assert (tmp_path / "fifo").is_fifo()
 
 
-def test_fit_pwl_show_and_gen_kernel(capsys, tmp_path):
+def test_fit_pwl_show_and_gen_kernel(capsys, tmp_path, monkeypatch):
+    import actdesign.cli
+
+    monkeypatch.setattr(actdesign.cli, "ANNOUNCE_AFTER", 0)  # however quick the fit is
     out_file = tmp_path / "regelu2.json"
     code, out, err = run(capsys, "fit", "gelu", "--kind", "pwl", "--bits", "2", "--out",
-                         str(out_file))
-    assert code == 0 and err == "" and "pwl table, 2 bit(s), gelu" in out
+                         str(out_file), "--no-cache")
+    assert code == 0 and "pwl table, 2 bit(s), gelu" in out
+    # A long step: one line as it starts and one when it ends, on stderr only.
+    started, ended = err.splitlines()
+    assert started == "fitting a 2-bit piecewise-linear gelu ..."
+    assert ended.startswith("fitting a 2-bit piecewise-linear gelu: done in ")
+    assert ended.endswith(" s") and "fitting" not in out
     data = json.loads(out_file.read_text())
     assert data["kind"] == "pwl" and data["borders"] == data["pwl"]["c"]
     assert data["objective"]["weight"]["type"] == "flat"
@@ -143,7 +151,8 @@ def test_gen_kernel(capsys, tmp_path, monkeypatch):
     assert run(capsys, "fit", "gelu", "--bits", "2", "--out", str(spec_file))[0] == 0
     code, out, err = run(capsys, "gen-kernel", str(spec_file))
     assert code == 0 and err == ""
-    assert f"wrote {tmp_path / 'gelu_2_ops.py'}" in out and "0.25 bytes per element" in out
+    assert f"wrote {tmp_path / 'gelu_2_ops.py'}" in out
+    assert "stores 0.25 bytes per element for backward, against 2 for a bf16 input" in out
     code, _, _ = run(capsys, "gen-kernel", str(spec_file), "--out", str(tmp_path / "g_ops.py"))
     assert code == 0
     assert (tmp_path / "g_ops.py").read_text() == (tmp_path / "gelu_2_ops.py").read_text()
@@ -245,6 +254,39 @@ def test_fit_list_show_gen_kernel_never_import_torch_or_triton(tmp_path):
     assert "attempts: []" in result.stdout
 
 
+def _modules_after(code, tmp_path):
+    """The heavy modules a fresh process holds after running `code`."""
+    result = _python(code + "\nimport sys\nprint(' '.join(sorted(m for m in ('sympy', 'torch', "
+                     "'torch._dynamo', 'numba') if m in sys.modules)))",
+                     {"ACTDESIGN_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()[-1].split()
+
+
+def test_commands_import_only_what_they_use(tmp_path):
+    def command(*argv):
+        return f"from actdesign.cli import main\ntry:\n    main({list(argv)!r})\n" \
+               "except SystemExit as exc:\n    assert exc.code == 0, exc.code"
+
+    spec = str(tmp_path / "g.json")
+    assert _modules_after(command("list"), tmp_path) == []
+    # A built-in's fit needs numba for the DP, never sympy; its repeat is a file read.
+    assert _modules_after(command("fit", "gelu", "--bits", "3", "--out", spec), tmp_path) \
+        == ["numba"]
+    assert _modules_after(command("fit", "gelu", "--bits", "3", "--out", spec, "--force"),
+                          tmp_path) == []
+    assert (tmp_path / "cache" / "fits").is_dir()
+    assert _modules_after(command("show", spec), tmp_path) == []
+    # An expression is parsed by sympy; a kernel prints the activation's sympy tree.
+    assert _modules_after(command("fit", "x*sigmoid(x)", "--bits", "1"), tmp_path) \
+        == ["numba", "sympy"]
+    assert _modules_after(command("gen-kernel", spec), tmp_path) == ["sympy"]
+
+
+def test_importing_the_runtime_leaves_torch_dynamo_and_sympy_alone(tmp_path):
+    assert _modules_after("import actdesign.runtime", tmp_path) == ["numba", "torch"]
+
+
 def test_second_fit_does_not_recompile(tmp_path):
     script = """
         from actdesign.activation import resolve
@@ -282,10 +324,17 @@ def test_long_fit_shows_a_progress_bar_on_a_terminal(tmp_path):
     os.close(master)
     assert proc.returncode == 0
     assert b"optimal grid partition" in b"".join(chunks)
-    # Not on a pipe: the same fit through a pipe prints no bar.
-    piped = subprocess.run([sys.executable, "-c", "from actdesign.cli import main; main()",
-                            "fit", "gelu", "--bits", "6"], capture_output=True, timeout=300)
-    assert piped.returncode == 0 and piped.stderr == b""
+    # Not on a pipe: the same fit through a pipe prints no bar, only its start and end lines,
+    # and with --quiet not even those.
+    announce_at_once = "import actdesign.cli as c; c.ANNOUNCE_AFTER = 0; c.main()"
+    command = [sys.executable, "-c", announce_at_once, "fit", "gelu", "--bits", "6",
+               "--no-cache"]
+    piped = subprocess.run(command, capture_output=True, timeout=300, text=True)
+    assert piped.returncode == 0
+    assert piped.stderr.startswith("fitting a 6-bit table for gelu' ...\n")
+    assert "done in" in piped.stderr and "optimal grid partition" not in piped.stderr
+    quiet = subprocess.run([*command, "--quiet"], capture_output=True, timeout=300, text=True)
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == piped.stdout
 
 
 def _spec(capsys, path, bits="1"):
@@ -375,5 +424,5 @@ def test_pwl_asymptotes_are_bounded(capsys):
     # sympy's limit of x + tanh(tanh(tanh(tanh(tanh(x))))) never returns.
     text = "x + " + "tanh(" * 5 + "x" + ")" * 5
     with within(20.0, "pwl asymptotes"):  # 5 s a side at most
-        code, out, err = run(capsys, "fit", text, "--kind", "pwl", "--bits", "2")
+        code, out, err = run(capsys, "fit", text, "--kind", "pwl", "--bits", "2", "--quiet")
     assert code == 2 and out == "" and err.count("\n") == 1 and "asymptotes" in err, err

@@ -166,3 +166,39 @@ def test_conditions_of_high_degree_are_solved_numerically():
     # Bisection ends within an ulp of each root; g's relative slope there is at most ~1300
     # (at 0.95: 64 + 64 x / (x - 1)), so g is 0.5 within ~1300 eps plus its own roundings.
     assert points.size == 2 and np.allclose(g, 0.5, rtol=1e-12)
+
+
+_EDGES = [0.0, -0.0, 1, -1, 3, -3, 6, 3 + 4.5e-16, -3 - 4.5e-16, 700, -700, 1e-300, np.nan]
+_GRID = np.concatenate([np.linspace(-40, 40, 8001), _EDGES])
+
+
+@pytest.mark.parametrize("builtin", BUILTINS, ids=lambda b: b.name)
+def test_builtins_compute_bit_for_bit_what_their_sympy_tree_computes(builtin):
+    """The closed forms that spare sympy: equal floats, not merely close, so that a fit gives
+    the same table either way (rounding differences would move borders in the last bits)."""
+    from actdesign import expr
+
+    act = resolve(builtin.name)
+    for tree, fn in ((act.f_expr, act.f), (act.df_expr, act.df), (act.d2f_expr, act.d2f)):
+        assert np.array_equal(fn(_GRID), expr.numpy_function(tree)(_GRID), equal_nan=True)
+    for lo, hi in ((-40, 40), (-1e-3, 1e-3), (3.5, 10), (-3, 3), (-np.inf, np.inf)):
+        assert np.array_equal(act.breakpoints(lo, hi), expr.breakpoints(act.df_expr, lo, hi))
+
+
+def test_builtin_fits_equal_those_of_their_sympy_trees():
+    """Every built-in's spec JSON and printed table, from the closed forms and from the parsed
+    formula (an expression, so sympy's numpy functions), are identical."""
+    from dataclasses import replace
+
+    from actdesign import spec as spec_mod
+    from actdesign.activation import Activation
+    from actdesign.designer import fit_stepwise
+    from actdesign.report import describe
+
+    for builtin in BUILTINS:
+        fast = spec_mod.from_fit(fit_stepwise(resolve(builtin.name), 2, grid=256))
+        parsed = spec_mod.from_fit(fit_stepwise(Activation(builtin.formula), 2, grid=256))
+        assert parsed.activation == {"expr": builtin.formula}
+        parsed = replace(parsed, activation=fast.activation, provenance=fast.provenance)
+        assert parsed.to_json() == fast.to_json(), builtin.name
+        assert describe(parsed) == describe(fast)

@@ -1,0 +1,87 @@
+"""Fitted tables are cached by their full request: a repeat is a file read with the same
+output, any option that changes the table gets its own entry, and an entry that is corrupt,
+edited or for another request is ignored and the table fitted again."""
+
+import hashlib
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import run_cli as run  # noqa: E402
+
+from actdesign.designer import stepwise  # noqa: E402
+
+
+@pytest.fixture
+def fits(tmp_path, monkeypatch):
+    """An empty cache, and a count of the fits that ran (the grid DP's calls)."""
+    monkeypatch.setenv("ACTDESIGN_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    dp = stepwise.grid_optimum
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])
+        return dp(*args, **kwargs)
+
+    monkeypatch.setattr(stepwise, "grid_optimum", counted)
+    return tmp_path / "cache" / "fits", calls
+
+
+def _fit(capsys, tmp_path, *options):
+    out = tmp_path / "s.json"
+    code, text, err = run(capsys, "fit", "gelu", "--bits", "2", "--out", str(out), *options)
+    assert code == 0, err
+    return text, out.read_text()
+
+
+def test_a_repeated_fit_is_read_from_the_cache(capsys, tmp_path, fits):
+    folder, calls = fits
+    first = _fit(capsys, tmp_path)
+    assert len(calls) == 1 and len(list(folder.iterdir())) == 1
+    assert _fit(capsys, tmp_path) == first and len(calls) == 1  # same output, no DP
+    assert _fit(capsys, tmp_path, "--no-cache") == first and len(calls) == 2
+
+
+@pytest.mark.parametrize("option", [["--grid", "1024"], ["--std", "2"], ["--mean", "0.5"],
+                                    ["--weight", "uniform", "--domain", "-4", "4"]])
+def test_options_that_change_the_table_have_their_own_entries(capsys, tmp_path, fits, option):
+    folder, calls = fits
+    first = _fit(capsys, tmp_path)
+    second = _fit(capsys, tmp_path, *option)
+    assert second != first and len(calls) == 2 and len(list(folder.iterdir())) == 2
+    assert _fit(capsys, tmp_path, *option) == second and len(calls) == 2
+
+
+def _entry(folder):
+    (path,) = folder.iterdir()
+    return path, json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("damage", ["truncated", "levels edited", "resealed, invalid",
+                                    "another request", "not json"])
+def test_a_damaged_entry_is_ignored_and_fitted_again(capsys, tmp_path, fits, damage):
+    folder, calls = fits
+    first = _fit(capsys, tmp_path)
+    path, entry = _entry(folder)
+    spec = json.loads(entry["spec"])
+    if damage == "truncated":
+        path.write_text(path.read_text()[:200])
+    elif damage == "levels edited":  # the seal no longer matches
+        spec["levels"][0] += 1.0
+        entry["spec"] = json.dumps(spec)
+        path.write_text(json.dumps(entry))
+    elif damage == "resealed, invalid":  # the seal matches, the spec fails validation
+        spec["bits"] = 1
+        entry["spec"] = json.dumps(spec)
+        entry["seal"] = hashlib.sha256(entry["spec"].encode()).hexdigest()
+        path.write_text(json.dumps(entry))
+    elif damage == "another request":
+        entry["request"]["bits"] = 3
+        path.write_text(json.dumps(entry))
+    else:
+        path.write_text("import os; os.system('echo no')")
+    assert _fit(capsys, tmp_path)[0] == first[0] and len(calls) == 2
+    assert _fit(capsys, tmp_path)[0] == first[0] and len(calls) == 2  # rewritten, sound again
