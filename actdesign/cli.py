@@ -133,19 +133,31 @@ def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out, 
     cache (see --no-cache).
     """
     from . import fit_cache
-    from . import spec as spec_mod
-    from .activation import resolve
 
     _check_out(out, "spec", force)
+    options = {"activation": activation, "bits": bits, "kind": kind, "weight": weight,
+               "tail_tol": tail_tol, "mean": mean, "std": std,
+               "domain": None if domain is None else list(domain), "grid": grid}
+    recalled = None if no_cache else fit_cache.recall(options)
+    if recalled is not None:
+        _report(*recalled, out)
+        return
+
+    from . import spec as spec_mod
+    from .activation import resolve
+    from .report import describe
+
     act = resolve(activation)
     if kind == "pwl" and grid is not None:
         raise ActdesignError("--grid applies to --kind stepwise only")
     unweighted = kind == "pwl" and (weight, mean, std, domain) == (None,) * 4
     w = None if unweighted else _weight(weight or "normal", mean, std, domain)
     request = fit_cache.request(act, bits, kind, w, grid, tail_tol if kind == "pwl" else None)
-    cached = None if no_cache else fit_cache.load(request)
-    if cached is not None:
-        _report(cached, out)
+    spec = None if no_cache else fit_cache.load(request)
+    if spec is not None:
+        text = describe(spec)
+        fit_cache.remember(options, request, text)
+        _report(spec.to_json(), text, out)
         return
     if kind == "pwl":
         from .designer.pwl import fit_pwl
@@ -167,16 +179,18 @@ def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out, 
                 result = fit_stepwise(act, bits, w, grid)
         spec = spec_mod.from_fit(result)
     fit_cache.store(request, spec)
-    _report(spec, out)
+    text = describe(spec)
+    fit_cache.remember(options, request, text)
+    _report(spec.to_json(), text, out)
 
 
-def _report(spec, out):
-    from . import spec as spec_mod
-    from .report import describe
+def _report(spec_text: str, text: str, out):
+    """Write the spec, print its table (titled by the file): the same for a fit and a recall."""
+    from .files import write_atomic
 
     if out is not None:
-        spec_mod.save(spec, out)
-    click.echo(describe(spec, out))
+        write_atomic(out, spec_text)
+    click.echo(f"{out}: {text}" if out else text)
     if out is not None:
         click.echo(f"\nwrote {out}")
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from . import __version__
-from . import spec as spec_mod
 from .errors import ActdesignError
 from .files import loads_json, read_data, write_atomic
 
@@ -57,6 +57,8 @@ def load(req: dict):
                 and isinstance(data["spec"], str)
                 and data["seal"] == hashlib.sha256(data["spec"].encode()).hexdigest()):
             return None
+        from . import spec as spec_mod
+
         spec = spec_mod.loads(data["spec"], str(path))
     except (ActdesignError, UnicodeDecodeError):
         return None
@@ -81,5 +83,67 @@ def store(req: dict, spec) -> None:
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_atomic(path, json.dumps(entry, allow_nan=False) + "\n")
+    except (ActdesignError, OSError):
+        pass
+
+
+# A repeated command skips even the parsing: its options as typed name a small entry that
+# points at the fit's entry by the sha256 of its bytes, with the text the command printed.
+# Reading it back needs neither numpy nor the spec's validation: the fit's entry was
+# validated when it was stored or read, and any later change to its file breaks the digest,
+# which sends the command down the whole path (parse, validate the entry, or fit again).
+COMMAND_FORMAT = "actdesign.fit-command/1"
+
+
+def _command_path(options: dict) -> Path:
+    text = json.dumps(options, sort_keys=True, allow_nan=False)
+    return directory().parent / "fit-commands" / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
+
+
+def _recallable(options: dict) -> dict | None:
+    """The options with the version, or None for an empirical weight: it names a file whose
+    content may change."""
+    if str(options.get("weight") or "").startswith("empirical"):
+        return None
+    return {**options, "actdesign": __version__}
+
+
+def recall(options: dict) -> tuple[str, str] | None:
+    """(spec text, printed table) of a command run before with these very options, or None."""
+    options = _recallable(options)
+    if options is None:
+        return None
+    try:
+        path = _command_path(options)
+        data = loads_json(read_data(path, "cached fit", 2**24).decode("utf-8"), str(path))
+        if not (isinstance(data, dict) and data.get("format") == COMMAND_FORMAT
+                and data.get("options") == options and isinstance(data.get("text"), str)
+                and isinstance(data.get("entry"), str)
+                and re.fullmatch(r"[0-9a-f]{64}\.json", data["entry"])):  # in fits/ only
+            return None
+        raw = read_data(directory() / data["entry"], "cached fit", 2**24)
+        if hashlib.sha256(raw).hexdigest() != data.get("digest"):
+            return None
+        entry = json.loads(raw)
+        if not (isinstance(entry, dict) and isinstance(entry.get("spec"), str)):
+            return None
+    except (ActdesignError, UnicodeDecodeError, TypeError, ValueError):
+        return None
+    return entry["spec"], data["text"]
+
+
+def remember(options: dict, req: dict, text: str) -> None:
+    """Let a command with these options be answered by `req`'s entry and this text."""
+    options = _recallable(options)
+    if options is None:
+        return
+    entry = path_for(req)
+    try:
+        data = {"format": COMMAND_FORMAT, "options": options, "entry": entry.name,
+                "digest": hashlib.sha256(read_data(entry, "cached fit", 2**24)).hexdigest(),
+                "text": text}
+        path = _command_path(options)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(data, allow_nan=False) + "\n")
     except (ActdesignError, OSError):
         pass

@@ -85,3 +85,47 @@ def test_a_damaged_entry_is_ignored_and_fitted_again(capsys, tmp_path, fits, dam
         path.write_text("import os; os.system('echo no')")
     assert _fit(capsys, tmp_path)[0] == first[0] and len(calls) == 2
     assert _fit(capsys, tmp_path)[0] == first[0] and len(calls) == 2  # rewritten, sound again
+
+
+def test_a_repeated_command_is_recalled_with_the_same_file_and_text(capsys, tmp_path, fits):
+    """The command's own entry answers a repeat with the fit's entry, byte for byte; other
+    options, another output path or a changed fit entry never reuse it wrongly."""
+    folder, calls = fits
+    commands = folder.parent / "fit-commands"
+    first = _fit(capsys, tmp_path)
+    assert len(calls) == 1 and len(list(commands.iterdir())) == 1
+    assert _fit(capsys, tmp_path) == first and len(calls) == 1
+    other = tmp_path / "t.json"
+    code, text, _ = run(capsys, "fit", "gelu", "--bits", "2", "--out", str(other))
+    assert code == 0 and text == first[0].replace(str(tmp_path / "s.json"), str(other))
+    assert other.read_text() == first[1]
+    assert _fit(capsys, tmp_path, "--std", "1") == first and len(calls) == 1  # same table
+    assert len(list(commands.iterdir())) == 2 and len(list(folder.iterdir())) == 1
+
+
+@pytest.mark.parametrize("damage", ["text edited, fit entry kept", "fit entry edited",
+                                    "entry outside fits/", "not json"])
+def test_a_damaged_command_entry_falls_back_to_the_whole_path(capsys, tmp_path, fits, damage):
+    folder, calls = fits
+    first = _fit(capsys, tmp_path)
+    (command,) = (folder.parent / "fit-commands").iterdir()
+    entry = json.loads(command.read_text())
+    if damage == "text edited, fit entry kept":  # recalled as edited: the text is the
+        entry["text"] = "edited"                  # command's own, and a new fit rewrites it
+        command.write_text(json.dumps(entry))
+        code, text, _ = run(capsys, "fit", "gelu", "--bits", "2", "--out",
+                            str(tmp_path / "s.json"), "--force")
+        assert text.startswith(f"{tmp_path / 's.json'}: edited") and len(calls) == 1
+        assert _fit(capsys, tmp_path, "--no-cache") == first and len(calls) == 2
+        assert _fit(capsys, tmp_path) == first and len(calls) == 2
+        return
+    if damage == "fit entry edited":  # still a sound entry, re-read through the whole path
+        path, fit_entry = _entry(folder)
+        path.write_text(json.dumps(fit_entry, indent=1))
+    elif damage == "entry outside fits/":
+        entry["entry"] = "../fit-commands/" + command.name
+        command.write_text(json.dumps(entry))
+    else:
+        command.write_text("import os; os.system('echo no')")
+    assert _fit(capsys, tmp_path) == first and len(calls) == 1  # validated fit entry read
+    assert json.loads(command.read_text())["entry"] == _entry(folder)[0].name  # rewritten
