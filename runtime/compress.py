@@ -247,10 +247,16 @@ def _refuse_another_policy(model, policy) -> None:
 
 
 def _unmatched_rules(model, policy) -> list[str]:
-    """The rules (besides 'keep') whose target kind, names and types no module matches."""
-    found = [(name, m, target_of(m, model.get_submodule(name.rpartition(".")[0])
-                                 if name else None))
-             for name, m in model.named_modules()]
+    """The rules (besides 'keep') whose target kind, names and types no module matches (a
+    TorchScript module and its parts aside: `match` lists them as left alone)."""
+    found, scripts = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) or any(name.startswith(s + ".")
+                                                         for s in scripts):
+            scripts.append(name)
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+        found.append((name, m, target_of(m, parent)))
     return [_rule_words(i, rule) for i, rule in enumerate(policy.rules, 1)
             if rule.apply != "keep" and not any(
                 kind == rule.target and any(fnmatchcase(name, g) for g in rule.names)
