@@ -2,7 +2,8 @@
 
 Modules are replaced in their parents and every parameter object is kept under its own name,
 so the state dict, the parameters' order and a checkpoint are the untouched model's.
-Modules already compressed are not touched again, so compressing twice changes nothing. What
+Modules already compressed are not touched again, so compressing twice changes nothing; a
+model compressed by one policy is refused another (the model records the rules). What
 a rule targets but cannot handle is left alone and listed with the reason; a gated MLP or a
 head its rule refuses leaves its layers to the other rules in the same pass.
 
