@@ -529,12 +529,9 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
 
 
 def _batches(function, name):
-    made = function()
-    try:
-        return iter(made)
-    except TypeError:
-        raise ActdesignError(f"data {name!r} returned {type(made).__name__}, not an iterable "
-                             "of batches") from None
+    from .runtime.batches import iterate
+
+    return iterate(function(), f"what data {name!r} returned")
 
 
 def main(argv=None) -> None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from actdesign.designer.allocate import allocate, save_bits, save_stats
 from actdesign.errors import ActdesignError
 
+from . import batches as batch_forms
 from .norms import _QMSNorm
 from .quantized import QConv2d, QLinear
 from .sharing import whole
@@ -55,8 +56,10 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
     """Run forward and backward once per batch, collect C, allocate bits exactly and set them
     on the model's QLinear/QConv2d layers. Returns {layer name: bits}.
 
-    `batches` yields (inputs, target) pairs; `loss(model, batch)` overrides the default
-    cross-entropy of model(inputs) against target. per="layer" gives each layer one bit width
+    `batches` yields batches in any form of `runtime.batches`: a tensor, a dict of keyword
+    inputs, a tuple of positional inputs or an (inputs, targets) pair; the loss is the
+    cross-entropy against the targets, else the model's own. `loss(model, batch)` overrides
+    it. per="layer" gives each layer one bit width
     (for any later batch); per="sample" takes a single batch and gives each (layer, sample) its
     own, as ActNN does each step. The stats and the bits can be written as JSON.
     """
@@ -97,16 +100,12 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
     handles += [m.register_forward_hook(norm_hook(name)) for name, m in norms.items()]
     count = 0
     try:
-        for batch in batches:
+        for batch in batch_forms.iterate(batches):
             count += 1
             if per == "sample" and count > 1:
                 raise ActdesignError("per-sample calibration takes exactly one batch")
             model.zero_grad(set_to_none=True)
-            if loss is not None:
-                value = loss(model, batch)
-            else:
-                inputs, target = batch
-                value = F.cross_entropy(model(inputs), target)
+            value = (loss or batch_forms.loss)(model, batch)
             value.backward()
             made.clear()
     finally:

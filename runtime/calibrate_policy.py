@@ -20,7 +20,7 @@ import torch
 from actdesign import spec as spec_mod
 from actdesign.errors import ActdesignError
 
-from . import models
+from . import batches as batch_forms
 from . import policy as policy_mod
 from .calibrate import calibrate
 from .compress import compress, match
@@ -108,15 +108,17 @@ def calibrate_policy(model: torch.nn.Module, batches, policy="fewbit3", *, bits:
                      hist_bins: int = 1024) -> Calibration:
     """Per-layer tables (and ActNN bits) for `model` on `batches`, as a policy.
 
-    `batches` is a list, or a function returning a fresh iterable, of model inputs (a tensor,
-    a tuple of positional arguments or a dict of keywords). `policy` is the base: its fewbit
+    `batches` is a list, or a function returning a fresh iterable, of batches in any form of
+    `runtime.batches` (a tensor, a dict of keyword inputs, a tuple of positional inputs or an
+    (inputs, targets) pair). `policy` is the base: its fewbit
     rules choose which activations get their own table (with the rule's bits, or `bits`), and
     its actnn rules which layers get allocated bits, on average the rule's bits (or
     `actnn_bits`). `loss(model, batch)` defaults to the model's own loss. The model is not
     changed."""
     base = policy_mod.load(policy)
-    loss = loss or (lambda m, batch: models.loss_of(models.call(m, batch)))
-    fresh = batches if callable(batches) else (lambda: batches)
+    loss = loss or batch_forms.loss
+    fresh = (lambda: batch_forms.iterate(batches())) if callable(batches) \
+        else (lambda: batch_forms.iterate(batches))
     targets = _fewbit_targets(model, base, bits)
     tables = _fit_tables(model, targets, _record(model, targets, fresh))
     rules = [{"target": "activation", "name": t.name, "apply": "fewbit", "bits": t.bits,
@@ -148,7 +150,7 @@ def _record(model, targets, fresh) -> dict:
     try:
         with torch.no_grad():
             for batch in fresh():
-                models.call(model, batch)
+                batch_forms.call(model, batch)
                 count += 1
     finally:
         for h in handles:

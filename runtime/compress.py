@@ -2,7 +2,8 @@
 
 Modules are replaced in their parents and every parameter object is kept under its own name,
 so the state dict, the parameters' order and a checkpoint are the untouched model's.
-Modules already compressed are not touched again, so compressing twice changes nothing. What
+Modules already compressed are not touched again, so compressing twice changes nothing; a
+model compressed by one policy is refused another (the model records the rules). What
 a rule targets but cannot handle is left alone and listed with the reason; a gated MLP or a
 head its rule refuses leaves its layers to the other rules in the same pass.
 
@@ -64,13 +65,14 @@ class Report:
     before: SavedBytes | None = None  # bytes saved for the probe's backward
     after: SavedBytes | None = None
     compressed: int = 0  # modules a compress made before this one
+    unmatched: list[str] = field(default_factory=list)  # rules no module of the model matches
 
     def to_dict(self) -> dict:
         out = {"policy": self.policy,
                "replaced": [{"name": c.name, "old": c.old, "new": c.new}
                             for c in self.replaced],
                "skipped": [{"name": n, "type": t, "why": w} for n, t, w in self.skipped],
-               "already_compressed": self.compressed}
+               "already_compressed": self.compressed, "unmatched_rules": self.unmatched}
         if self.before is not None:
             out["probe_saved_bytes"] = {"before": self.before.total,
                                         "after": None if self.after is None else self.after.total}
@@ -87,6 +89,8 @@ class Report:
             lines.append(f"  {c.name}: {c.old} -> {c.new}")
         for name, kind, why in self.skipped:
             lines.append(f"  left alone {name} ({kind}): {why}")
+        for rule in self.unmatched:
+            lines.append(f"  matched nothing: {rule} (the model has no such module)")
         if self.before is not None and self.after is not None:
             b, a = self.before.total, self.after.total
             share = f", {1 - a / b:.1%} less" if b else ""
@@ -112,22 +116,25 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
     """Apply `policy` (a preset such as "fewbit3+msnorm", a dict, a Policy or a .json file)
     to `model` in place. Returns a Report of what was replaced, what was left alone and why,
     and, with a probe input, the bytes saved for the backward before and after. With
-    `dry_run`, only the report of the plan: the model is not changed. If anything fails, the
+    `dry_run`, only the report, the probe's bytes after included (measured on the plan applied
+    and then taken back): the model is as it was. If anything fails, the
     model is as it was. The random number generators are left as they were too (the probes
     run dropout), so the training run after compress draws what it would have drawn."""
     _refuse_unsupported(model)
     with models.forked_rng(model):
         planned = plan(model, policy, example_inputs)
-        if dry_run:
+        if dry_run and planned.run is None:
             return planned.report
         apply_all(planned.edits)
-        if planned.run is not None:
-            try:
+        try:
+            if planned.run is not None:
                 with torch.enable_grad():
                     planned.report.after, _ = account(model, planned.run)
-            except BaseException:
-                undo_all(planned.edits)
-                raise
+        except BaseException:
+            undo_all(planned.edits)
+            raise
+        if dry_run:  # the probe's bytes measured as the real run measures them, then undone
+            undo_all(planned.edits)
     return planned.report
 
 
@@ -137,7 +144,10 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
     _refuse_unsupported(model)
     policy = policy_mod.load(policy)
     _refuse_wrapped(model)
+    _refuse_another_policy(model, policy)
     report = Report(policy.label, compressed=sum(map(_ours, model.modules())))
+    if not report.compressed:  # else an earlier compress may have taken what a rule targets
+        report.unmatched = _unmatched_rules(model, policy)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = {m: name for name, m in model.named_modules()}
     inputs = _probe_inputs(model, example_inputs)
@@ -187,8 +197,7 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
                 continue
             if rule.apply == "rope":  # the module stays; its forward gets our rotation
                 edits.append(plan_rotary(m))
-                report.replaced.append(Change(name, type(m).__name__, "rotary embedding in "
-                                              "one kernel per tensor (CUDA, autocast)"))
+                report.replaced.append(Change(name, type(m).__name__, _rotary_words(m)))
                 continue
             if rule.apply == "checkpoint":  # the block stays; its forward is recomputed
                 edits.append(plan_checkpoint(m))
@@ -215,7 +224,66 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
                                           "output)"))
     report.replaced.sort(key=lambda c: order[c.name])
     report.skipped.sort(key=lambda s: order.get(s[0], 0))  # "(model)" first
-    return Plan(report, _swaps(model, new) + edits, run)
+    edits = _swaps(model, new) + edits
+    if edits:  # what a later compress checks its policy against
+        edits.append(Edit(model, _POLICY, (policy.label, policy.to_dict()["rules"])))
+    return Plan(report, edits, run)
+
+
+# The attribute on a compressed model holding (label, rules) of the policy that compressed it.
+_POLICY = "_actdesign_policy"
+
+
+def _refuse_another_policy(model, policy) -> None:
+    """A model compressed by one policy is refused another: the second would apply its rules
+    on top of the first's modules, a mix neither policy describes. The same rules again
+    find nothing to do."""
+    rules = policy.to_dict()["rules"]
+    for m in model.modules():
+        label, earlier = m.__dict__.get(_POLICY, (None, rules))
+        if earlier != rules:
+            raise ActdesignError(f"the model is already compressed with policy {label!r}: "
+                                 f"compress the uncompressed model with {policy.label!r}, or "
+                                 f"give {label!r} again (nothing to do)")
+
+
+def _unmatched_rules(model, policy) -> list[str]:
+    """The rules (besides 'keep') whose target kind, names and types no module matches (a
+    TorchScript module and its parts aside: `match` lists them as left alone)."""
+    found, scripts = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) or any(name.startswith(s + ".")
+                                                         for s in scripts):
+            scripts.append(name)
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+        found.append((name, m, target_of(m, parent)))
+    return [_rule_words(i, rule) for i, rule in enumerate(policy.rules, 1)
+            if rule.apply != "keep" and not any(
+                kind == rule.target and any(fnmatchcase(name, g) for g in rule.names)
+                and (not rule.types or type(m).__name__ in rule.types)
+                for name, m, kind in found)]
+
+
+def _rule_words(index, rule) -> str:
+    where = "" if rule.names == ("*",) else f" {', '.join(rule.names)}"
+    kinds = f" of type {', '.join(rule.types)}" if rule.types else ""
+    return f"rule {index}, {rule.apply} on {rule.target}{where}{kinds}"
+
+
+def _rotary_words(attention) -> str:
+    """What rotates q and k where the module's weights are now (`rope.rotary`): one kernel
+    per tensor takes CUDA tensors under autocast with float32 cos and sin (which float32
+    weights give); anywhere else eager's own ops run, as before."""
+    p = next(attention.parameters(), None)
+    device, dtype = (p.device.type, p.dtype) if p is not None else ("cpu", torch.float32)
+    kernel = "one kernel per tensor on CUDA under autocast"
+    if dtype != torch.float32:
+        return f"rotary embedding: eager's own ops with these {str(dtype)[6:]} weights; " \
+            f"{kernel} with float32 weights"
+    if device != "cuda":
+        return f"rotary embedding: eager's own ops on {device}; {kernel}"
+    return f"rotary embedding in {kernel}; eager's own ops without autocast"
 
 
 def _plan_lora(name, layer, method, keeps, report) -> list[Edit]:

@@ -26,6 +26,9 @@ import torch
 
 from actdesign.errors import ActdesignError
 
+from .batches import call as call  # every batch form, read one way (runtime.batches)
+from .batches import loss_of as loss_of
+
 # name -> (config class, model class, config arguments); "-tiny" variants: 2 layers, d=64.
 _TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
          "intermediate_size": 256}
@@ -230,26 +233,6 @@ def example_batch(model, batch: int, seq: int, make_batch=None, seed: int = 0):
         if type(model).__name__.endswith(("LMHeadModel", "ForCausalLM", "ForMaskedLM")):
             inputs["labels"] = ids.clone()
     return {k: v.to(device) for k, v in inputs.items()}
-
-
-def call(model, inputs):
-    """model(inputs) for a tensor, a tuple of positional arguments or a dict of keywords."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple | list):
-        return model(*inputs)
-    return model(inputs)
-
-
-def loss_of(output) -> torch.Tensor:
-    """The model's own loss when it returns one; else the mean square of its first output."""
-    loss = output.get("loss") if isinstance(output, dict) else None
-    if loss is not None:
-        return loss
-    if not isinstance(output, torch.Tensor):
-        leaves = output.values() if isinstance(output, dict) else output
-        output = next(t for t in leaves if isinstance(t, torch.Tensor))
-    return output.float().square().mean()
 
 
 def same_draws(model, *calls) -> list:

@@ -45,6 +45,7 @@ from torch import nn
 from actdesign.designer import plan as solver
 from actdesign.errors import ActdesignError
 
+from . import batches as batch_forms
 from . import models
 from . import policy as policy_mod
 from .compress import compress, match
@@ -154,15 +155,16 @@ def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="b
     `example_inputs` (default: the first batch), has an activation peak within `budget`
     (bytes, a size such as "20GiB", or a fraction of the uncompressed model's saved bytes)
     and a modelled step time within `max_slowdown` times the lossless one's. `batches`: the
-    calibration inputs (a list of what the model takes: a tensor, a tuple or a dict of
-    keywords; a transformers model computes its own loss). The model is not changed."""
+    calibration batches, in any form of `runtime.batches` (a tensor, a dict of keyword inputs,
+    a tuple of positional inputs or an (inputs, targets) pair; a transformers model given
+    labels computes its own loss). The model is not changed."""
     from .estimate import parse_size
 
     if device not in DEVICES:
         raise ActdesignError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if not (isinstance(max_slowdown, int | float) and max_slowdown >= 1):
         raise ActdesignError(f"max_slowdown must be a number >= 1, got {max_slowdown!r}")
-    batches = list(batches)
+    batches = list(batch_forms.iterate(batches))
     if not batches:
         raise ActdesignError("plan needs at least one calibration batch")
     example = batches[0] if example_inputs is None else example_inputs
@@ -515,7 +517,7 @@ def _gradients(model, batch) -> dict:
     model.zero_grad(set_to_none=True)
     with models.forked_rng(model):
         torch.manual_seed(0)
-        models.loss_of(models.call(model, batch)).backward()
+        batch_forms.loss(model, batch).backward()
     out = {n: p.grad.detach().clone() for n, p in model.named_parameters()
            if p.grad is not None}
     model.zero_grad(set_to_none=True)

@@ -245,5 +245,6 @@ def test_what_is_not_a_plain_module_is_refused_in_one_line():
 def test_a_policy_matching_nothing_says_so():
     report = compress(nn.Sequential(nn.Linear(4, 4)), "fewbit3")
     assert str(report) == \
-        "compress (fewbit3): nothing to do: no module is of a kind the policy compresses"
+        "compress (fewbit3): nothing to do: no module is of a kind the policy compresses\n" \
+        "  matched nothing: rule 1, fewbit on activation (the model has no such module)"
     assert report.to_dict()["already_compressed"] == 0
