@@ -439,7 +439,8 @@ def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
     batches = model_mod.load_callable(data, "data")
     model, _ = model_mod.build(model_name)
     result = calibrate_policy(model, lambda: _batches(batches, data), base, bits=bits,
-                              actnn_bits=actnn_bits)
+                              actnn_bits=actnn_bits,
+                              progress=lambda message: click.echo(message, err=True))
     click.echo(result)
     save(result.policy, out)
     click.echo(f"wrote {out}: {len(result.policy.rules)} rules")

@@ -105,7 +105,7 @@ class Calibration:
 
 def calibrate_policy(model: torch.nn.Module, batches, policy="fewbit3", *, bits: int | None = None,
                      loss=None, actnn_bits: float | None = None,
-                     hist_bins: int = 1024) -> Calibration:
+                     hist_bins: int = 1024, progress=None) -> Calibration:
     """Per-layer tables (and ActNN bits) for `model` on `batches`, as a policy.
 
     `batches` is a list, or a function returning a fresh iterable, of batches in any form of
@@ -114,17 +114,19 @@ def calibrate_policy(model: torch.nn.Module, batches, policy="fewbit3", *, bits:
     rules choose which activations get their own table (with the rule's bits, or `bits`), and
     its actnn rules which layers get allocated bits, on average the rule's bits (or
     `actnn_bits`). `loss(model, batch)` defaults to the model's own loss. The model is not
-    changed."""
+    changed. `progress(message)`, if given, hears each phase as it starts."""
+    say = progress or (lambda message: None)
     base = policy_mod.load(policy)
     loss = loss or batch_forms.loss
     fresh = (lambda: batch_forms.iterate(batches())) if callable(batches) \
         else (lambda: batch_forms.iterate(batches))
     targets = _fewbit_targets(model, base, bits)
-    tables = _fit_tables(model, targets, _record(model, targets, fresh))
+    say(f"recording the inputs of {len(targets)} activation layer(s)")
+    tables = _fit_tables(model, targets, _record(model, targets, fresh), say)
     rules = [{"target": "activation", "name": t.name, "apply": "fewbit", "bits": t.bits,
               "spec": t.spec.to_dict()} for t in tables]
     base_rules = [r.to_dict() for r in base.rules]
-    allocated = _allocate(model, base, rules + base_rules, fresh, loss, actnn_bits)
+    allocated = _allocate(model, base, rules + base_rules, fresh, loss, actnn_bits, say)
     rules += [{"target": "conv2d" if conv else "linear", "name": name, "apply": "actnn",
                "bits": b} for name, (b, conv) in allocated.items()]
     rules += base_rules
@@ -160,12 +162,13 @@ def _record(model, targets, fresh) -> dict:
     return hists
 
 
-def _fit_tables(model, targets, hists) -> list[LayerTable]:
+def _fit_tables(model, targets, hists, say) -> list[LayerTable]:
     from actdesign.designer import fit_stepwise
     from actdesign.designer.stepwise import Problem
 
     out = []
-    for name, (_, act, b) in targets.items():
+    for i, (name, (_, act, b)) in enumerate(targets.items()):
+        say(f"fitting table {i + 1}/{len(targets)}: {name}, {b} bit(s)")
         weight = hists[name].weight(name)
         fit = fit_stepwise(act, b, weight)
         normal = table("stepwise", act, b)
@@ -174,7 +177,7 @@ def _fit_tables(model, targets, hists) -> list[LayerTable]:
     return out
 
 
-def _allocate(model, base, rules, fresh, loss, actnn_bits) -> dict:
+def _allocate(model, base, rules, fresh, loss, actnn_bits, say) -> dict:
     """{layer: (bits, is conv)} from an exact allocation, if the base policy uses actnn.
     `rules` make the compressed copy the statistics run on."""
     actnn = {r.option("bits") for r in base.rules if r.apply == "actnn"}
@@ -184,6 +187,7 @@ def _allocate(model, base, rules, fresh, loss, actnn_bits) -> dict:
         raise ActdesignError("the policy's actnn rules use different bits: give the average "
                              "to allocate (actnn_bits)")
     avg = actnn_bits if actnn_bits is not None else actnn.pop()
+    say(f"allocating ActNN bits ({avg:g} on average): a forward and backward per batch")
     trial = copy.deepcopy(model)
     first = next(iter(fresh()))
     compress(trial, {"format": policy_mod.FORMAT, "rules": rules}, example_inputs=first)

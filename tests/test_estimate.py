@@ -3,10 +3,11 @@ measures on real ones, allocates no weight, and refuses bad input in one line (e
 test_estimate_policies.py)."""
 
 import json
+import os
+import sys
 
 import pytest
 import torch
-from conftest import run_cli as run
 from torch._subclasses.fake_tensor import FakeTensor
 
 from actdesign import runtime
@@ -14,6 +15,9 @@ from actdesign.errors import ActdesignError
 from actdesign.runtime import models
 from actdesign.runtime import profile as profile_mod
 from actdesign.runtime.estimate import _checkpointing, estimate, parse_size, step
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import run_cli as run  # noqa: E402
 
 
 def measured(name, batch, seq, precision, checkpointing):

@@ -7,7 +7,10 @@ against independent references: a bit-by-bit bitstream and exact border counts.
 import gc
 import importlib.util
 import math
+import os
+import subprocess
 import sys
+import textwrap
 import weakref
 
 import numpy as np
@@ -315,3 +318,28 @@ def test_double_backward_is_refused(ops_for):
     (dx,) = torch.autograd.grad(ops.apply(x), x, v, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dx.sum().backward()
+
+
+def test_the_first_cpu_call_says_it_compiles_on_stderr(tmp_path):
+    """numba compiles an op's CPU kernels on their first call (seconds): past half a second a
+    line on stderr says so, and when they are ready; later calls print nothing."""
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        from actdesign import runtime
+        sys.path.insert(0, TESTS)
+        from conftest import synthetic_spec
+        ops = runtime.load(synthetic_spec("gelu", 2, seed=5))
+        x = torch.randn(64, requires_grad=True)
+        ops.apply(x).sum().backward()
+        print("first done", file=sys.stderr, flush=True)
+        ops.apply(x).sum().backward()
+    """).replace("TESTS", repr(os.path.dirname(__file__)))
+    env = {**os.environ, "ACTDESIGN_CACHE_DIR": str(tmp_path), "ACTDESIGN_BACKEND": "numba"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[-1] == "first done", lines
+    assert any("compiling the CPU kernels" in line for line in lines[:-1])
+    assert "CPU kernels ready in" in lines[-2]
