@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 from .errors import ActdesignError
@@ -94,6 +93,8 @@ def module_header(body: bytes | str) -> str:
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """Write to a temporary file in the same directory, then rename it over `path`."""
+    import tempfile  # here: a repeated fit that writes nothing never pays its imports
+
     path = check_writable(path)
     mode = "wb" if isinstance(data, bytes) else "w"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
