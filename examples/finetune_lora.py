@@ -79,24 +79,26 @@ def train(model, data: torch.Tensor, args, folder: str) -> list[float]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--steps", type=toy_lm.positive, default=300)
+    parser.add_argument("--batch", type=toy_lm.positive, default=8)
+    parser.add_argument("--seq", type=toy_lm.positive, default=128)
+    parser.add_argument("--rank", type=toy_lm.positive, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--base-steps", type=int, default=100,
+    parser.add_argument("--base-steps", type=toy_lm.positive, default=100,
                         help="steps of full training before the fine-tune")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["fp32", "bf16-autocast"], default="fp32")
-    parser.add_argument("--every", type=int, default=25, help="a table row every N steps")
+    parser.add_argument("--every", type=toy_lm.positive, default=25,
+                        help="a table row every N steps")
+    parser.add_argument("--threads", type=toy_lm.positive, default=1,
+                        help="torch's CPU threads (one: the matrices are small, and a busy "
+                        "CPU slows several threads far more than one)")
     parser.add_argument("--plot", default="out/finetune_lora.png")
-    parser.add_argument("--quick", action="store_true",
-                        help="a test: 30 steps of 4 x 64 on a base trained for 30")
+    parser.add_argument("--quick", action="store_true", help="a test: 30 steps of 4 x 64")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.base_steps, args.batch, args.seq, args.every = 30, 30, 4, 64, 10
-    if min(args.steps, args.batch, args.seq, args.rank, args.every) < 1:
-        parser.error("--steps, --batch, --seq, --rank and --every must be at least 1")
+        args.steps, args.batch, args.seq, args.every = 30, 4, 64, 10
+    torch.set_num_threads(args.threads)
     plot = toy_lm.plot_path(args.plot)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames
     base = base_model(args.base_steps, args.batch, args.seq, args.seed)
@@ -107,7 +109,7 @@ def main():
         model = lora_model(base, args.rank, args.seed)
         if name == "PEFT + llm":
             report = compress(model, "llm")  # PEFT first, then compress, then the Trainer
-            print(f"compress: {len(report.replaced)} modules replaced, "
+            print(f"{name}: {len(report.replaced)} modules replaced, "
                   f"{len(report.skipped)} left alone")
         memories[name] = toy_lm.memory(model, data[:args.batch], args.precision)
         with tempfile.TemporaryDirectory() as folder:
@@ -115,15 +117,11 @@ def main():
 
     print(f"\nllama-tiny, LoRA r={args.rank} on {len(TARGETS)} projections, batch {args.batch}"
           f" x {args.seq} tokens, {args.precision}, {args.steps} steps, seed {args.seed}")
-    (base_saved, base_peak), (saved, peak) = memories.values()
-    print(f"{'':<12}{'saved for backward':>22}{'activation peak':>22}")
-    for name, (s, p) in memories.items():
-        print(f"{name:<12}{toy_lm.mib(s):>22}{toy_lm.mib(p):>22}")
-    print(f"llm keeps {saved / base_saved:.1%} of PEFT's saved bytes "
-          f"({toy_lm.mib(base_saved - saved)} less); peak {peak / base_peak:.1%} of PEFT's\n")
+    toy_lm.print_memory(memories)
+    (base_saved, _), (saved, _) = memories.values()
+    print(f"PEFT + llm keeps {toy_lm.mib(base_saved - saved)} less for the backward\n")
     toy_lm.print_curves(curves, args.every)
-    gap = max(abs(a - b) / abs(a) for a, b in zip(*curves.values(), strict=True))
-    print(f"largest relative difference between the two runs' losses: {gap:.1e}")
+    toy_lm.print_gaps(curves)
     toy_lm.plot_curves(curves, plot, f"llama-tiny + LoRA r={args.rank}, {args.precision}: "
                 f"PEFT alone vs PEFT + llm ({saved / base_saved:.0%} of the saved bytes)")
 

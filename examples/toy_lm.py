@@ -8,6 +8,7 @@ words, repeated phrases) is learnable, so the loss falls visibly within a few hu
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -64,10 +65,11 @@ def memory(model, ids: torch.Tensor, precision: str) -> tuple[int, int]:
 
 
 def plot_path(path: str) -> Path:
-    """The plot's path, its folder made, checked before any training starts."""
+    """The plot's path, checked before any training starts; its folder is made if the folder
+    above it exists."""
     path = Path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(exist_ok=True)
     except OSError as exc:
         raise ActdesignError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
     return check_writable(path)
@@ -75,6 +77,15 @@ def plot_path(path: str) -> Path:
 
 def mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
+
+
+def print_memory(memories: dict[str, tuple[int, int]]) -> None:
+    """Each run's (saved for backward, activation peak), and its share of the first run's."""
+    base_saved, base_peak = next(iter(memories.values()))
+    print(f"{'':<22}{'saved for backward':>24}{'activation peak':>24}")
+    for name, (saved, peak) in memories.items():
+        print(f"{name:<22}{mib(saved):>15} ({saved / base_saved:6.1%})"
+              f"{mib(peak):>15} ({peak / base_peak:6.1%})")
 
 
 def print_curves(curves: dict[str, list[float]], every: int) -> None:
@@ -89,6 +100,14 @@ def print_curves(curves: dict[str, list[float]], every: int) -> None:
         means = [sum(curves[n][last:mark]) / (mark - last) for n in names]
         print(f"{mark:>6}" + "".join(f"{m:>22.4f}" for m in means))
         last = mark
+
+
+def print_gaps(curves: dict[str, list[float]]) -> None:
+    """How far each run's losses are from the first run's: the largest relative difference."""
+    first, *others = curves
+    for name in others:
+        gap = max(abs(a - b) / abs(a) for a, b in zip(curves[first], curves[name], strict=True))
+        print(f"largest relative difference of {name}'s losses from {first}'s: {gap:.1e}")
 
 
 def plot_curves(curves: dict[str, list[float]], path: Path, title: str) -> None:
@@ -108,6 +127,14 @@ def plot_curves(curves: dict[str, list[float]], path: Path, title: str) -> None:
     ax.legend()
     save_figure(fig, path)
     print(f"wrote {path}")
+
+
+def positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def run_main(main) -> None:
