@@ -9,8 +9,9 @@ Both runs start from that base with the same adapters and train them on the same
 the same seed. The only difference: the second compresses the PEFT model with the lossless
 `llm` policy before the Trainer is built. Printed: the bytes one training step keeps for its
 backward and its activation peak, measured in this run for each, and the two loss curves side
-by side; the plot shows them too. The curves agree to float32 rounding, which Adam's
-normalised steps let grow slowly over a long run.
+by side; the plot shows them too. The curves agree to rounding (float32's; under bf16
+autocast also the MS norms' one extra bf16 rounding), which Adam's normalised steps let grow
+slowly over a long run.
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ def main():
     print(f"PEFT + llm keeps {toy_lm.mib(base_saved - saved)} less for the backward\n")
     toy_lm.print_curves(curves, args.every)
     toy_lm.print_gaps(curves)
-    toy_lm.plot_curves(curves, plot, f"llama-tiny + LoRA r={args.rank}, {args.precision}: "
-                f"PEFT alone vs PEFT + llm ({saved / base_saved:.0%} of the saved bytes)")
+    title = (f"llama-tiny + LoRA r={args.rank}, {args.precision}: PEFT alone vs PEFT + llm "
+             f"({saved / base_saved:.0%} of the saved bytes)")
+    toy_lm.plot_curves(curves, plot, title)
 
 
 if __name__ == "__main__":
