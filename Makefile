@@ -27,6 +27,7 @@ demo: $(STAMP)
 		--plot $(OUT)/profile.png
 	$(BIN)/actdesign profile --model llama-tiny --policy llm --batch 8 --seq 256 \
 		--precision bf16-autocast
+	$(BIN)/python examples/finetune_lora.py --plot $(OUT)/finetune_lora.png
 
 test: $(STAMP)
 	$(BIN)/pytest -q
