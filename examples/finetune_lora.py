@@ -16,7 +16,6 @@ slowly over a long run.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import tempfile
 import warnings
@@ -79,28 +78,13 @@ def train(model, data: torch.Tensor, args, folder: str) -> list[float]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=toy_lm.positive, default=300)
-    parser.add_argument("--batch", type=toy_lm.positive, default=8)
-    parser.add_argument("--seq", type=toy_lm.positive, default=128)
-    parser.add_argument("--rank", type=toy_lm.positive, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--base-steps", type=toy_lm.positive, default=100,
-                        help="steps of full training before the fine-tune")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precision", choices=["fp32", "bf16-autocast"], default="fp32")
-    parser.add_argument("--every", type=toy_lm.positive, default=25,
-                        help="a table row every N steps")
-    parser.add_argument("--threads", type=toy_lm.positive, default=1,
-                        help="torch's CPU threads (one: the matrices are small, and a busy "
-                        "CPU slows several threads far more than one)")
-    parser.add_argument("--plot", default="out/finetune_lora.png")
-    parser.add_argument("--quick", action="store_true", help="a test: 30 steps of 4 x 64")
-    args = parser.parse_args()
-    if args.quick:
-        args.steps, args.batch, args.seq, args.every = 30, 4, 64, 10
-    torch.set_num_threads(args.threads)
-    plot = toy_lm.plot_path(args.plot)
+    def lora_options(parser):
+        parser.add_argument("--rank", type=toy_lm.positive, default=16)
+        parser.add_argument("--base-steps", type=toy_lm.positive, default=100,
+                            help="steps of full training before the fine-tune")
+
+    args = toy_lm.parse(__doc__.splitlines()[0], 3e-3, "out/finetune_lora.png", lora_options)
+    plot = args.plot
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames
     base = base_model(args.base_steps, args.batch, args.seq, args.seed)
     data = toy_lm.windows(toy_lm.AUSTEN, args.steps * args.batch, args.seq, args.seed)

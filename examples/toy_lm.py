@@ -137,6 +137,32 @@ def positive(text: str) -> int:
     return value
 
 
+def parse(description: str, lr: float, plot: str, more=None):
+    """The options both examples take (`more(parser)` adds a script's own), with --quick's
+    sizes applied, torch's threads set and the plot's path checked."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=positive, default=300)
+    parser.add_argument("--batch", type=positive, default=8)
+    parser.add_argument("--seq", type=positive, default=128)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["fp32", "bf16-autocast"], default="fp32")
+    parser.add_argument("--every", type=positive, default=25, help="a table row every N steps")
+    parser.add_argument("--threads", type=positive, default=1,
+                        help="torch's CPU threads (one: the matrices are small, and a busy "
+                        "CPU slows several threads far more than one)")
+    parser.add_argument("--plot", default=plot)
+    parser.add_argument("--quick", action="store_true", help="a test: 30 steps of 4 x 64")
+    if more is not None:
+        more(parser)
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.batch, args.seq, args.every = 30, 4, 64, 10
+    torch.set_num_threads(args.threads)
+    args.plot = plot_path(args.plot)
+    return args
+
+
 def run_main(main) -> None:
     """main(), with a user's mistake printed as one line and exit code 2."""
     try:

@@ -14,8 +14,6 @@ side by side; the plot shows them too.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import toy_lm
 
@@ -44,25 +42,8 @@ def train(model, data: torch.Tensor, batch: int, lr: float, precision: str) -> l
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=toy_lm.positive, default=300)
-    parser.add_argument("--batch", type=toy_lm.positive, default=8)
-    parser.add_argument("--seq", type=toy_lm.positive, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precision", choices=["fp32", "bf16-autocast"], default="fp32")
-    parser.add_argument("--every", type=toy_lm.positive, default=25,
-                        help="a table row every N steps")
-    parser.add_argument("--threads", type=toy_lm.positive, default=1,
-                        help="torch's CPU threads (one: the matrices are small, and a busy "
-                        "CPU slows several threads far more than one)")
-    parser.add_argument("--plot", default="out/train_llm.png")
-    parser.add_argument("--quick", action="store_true", help="a test: 30 steps of 4 x 64")
-    args = parser.parse_args()
-    if args.quick:
-        args.steps, args.batch, args.seq, args.every = 30, 4, 64, 10
-    torch.set_num_threads(args.threads)
-    plot = toy_lm.plot_path(args.plot)
+    args = toy_lm.parse(__doc__.splitlines()[0], 1e-3, "out/train_llm.png")
+    plot = args.plot
     data = toy_lm.windows(toy_lm.DICKENS + toy_lm.AUSTEN, args.steps * args.batch, args.seq,
                           args.seed)
 
