@@ -121,7 +121,6 @@ def calibrate_policy(model: torch.nn.Module, batches, policy="fewbit3", *, bits:
     fresh = (lambda: batch_forms.iterate(batches())) if callable(batches) \
         else (lambda: batch_forms.iterate(batches))
     targets = _fewbit_targets(model, base, bits)
-    say(f"recording the inputs of {len(targets)} activation layer(s)")
     tables = _fit_tables(model, targets, _record(model, targets, fresh), say)
     rules = [{"target": "activation", "name": t.name, "apply": "fewbit", "bits": t.bits,
               "spec": t.spec.to_dict()} for t in tables]
