@@ -42,16 +42,18 @@ def _step(what: str, quiet: bool):
         said.append(True)
         click.echo(f"{what} ...", err=True)
 
-    if ANNOUNCE_AFTER <= 0:
+    announce = threading.Timer(ANNOUNCE_AFTER, say) if ANNOUNCE_AFTER > 0 else None
+    if announce is None:
         say()
-    announce = threading.Timer(max(ANNOUNCE_AFTER, 0), say if ANNOUNCE_AFTER > 0 else list)
-    announce.daemon = True
-    announce.start()
+    else:
+        announce.daemon = True
+        announce.start()
     try:
         yield
     finally:
-        announce.cancel()
-        announce.join()  # a line already on its way is out before the next one
+        if announce is not None:
+            announce.cancel()
+            announce.join()  # a line already on its way is out before the next one
     if said:
         click.echo(f"{what}: done in {time.perf_counter() - start:.1f} s", err=True)
 
