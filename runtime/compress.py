@@ -212,7 +212,7 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
             covered.update((m.gate_proj, m.up_proj, m.down_proj))
             glu_downs.add(m.down_proj)
         report.replaced.append(Change(name, type(m).__name__, what))
-    for reader in readers:  # no rule replaced it: it keeps the norm's x̂, exact and lean
+    for reader in readers:  # no rule replaced it: it keeps the norm's copy, exact and lean
         if reader in new or reader in covered:
             continue
         if is_lora_linear(reader):
@@ -220,8 +220,8 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
         else:
             new[reader] = LeanLinear.from_module(reader)
             report.replaced.append(Change(names[reader], type(reader).__name__,
-                                          "LeanLinear (keeps the MS norm's x̂, not its "
-                                          "output)"))
+                                          "LeanLinear (keeps the MS norm's own copy, "
+                                          "not one of its own)"))
     report.replaced.sort(key=lambda c: order[c.name])
     report.skipped.sort(key=lambda s: order.get(s[0], 0))  # "(model)" first
     edits = _swaps(model, new) + edits
@@ -513,7 +513,7 @@ def _share_norms(model, policy, norms: dict, run, report, codes: dict, names: di
             what = f"{type(new[m]).__name__} ({bits}-bit codes of x̂"
             sharing.update(found)
         else:
-            what += " (keeps x̂ and rstd"
+            what += " (keeps rstd and x̂, or its output where that is 16-bit"
             exact.update(found)
         readers += found
         into = f", shared with {', '.join(names[r] for r in found)}" if found else ""

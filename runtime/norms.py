@@ -1,12 +1,17 @@
 """Memory-sharing norms (MS-BP) as modules that keep their parameters.
 
-An MS norm computes y = x̂·γ + β, x̂ the normalised input, and keeps for its backward only x̂
-and one rstd per row, never x. The layers reading y (LeanLinear, QLinear, MS-GLU's
-projections, the fused loss) keep a reference to that same x̂ and rebuild y in their
-backward, so x̂ is stored once for the block. γ and β stay the norm's own parameters, under
-their own names: the state dict, the optimizer and the training run are the untouched model's.
-Under autocast the norm emits x̂ and y in the autocast dtype, the dtype its readers compute
-in, so no cast makes a second copy.
+An MS norm computes y = x̂·γ + β, x̂ the normalised input, rounded as the norm it replaces
+rounds, and keeps for its backward one rstd per row and one tensor the size of x, never x:
+- in float32 (and where the norm rounds x̂ to y's dtype before the gain, as LLaMA's does in
+  bf16), x̂ itself. The layers reading y (LeanLinear, QLinear, MS-GLU's projections, the fused
+  loss) keep a reference to that same x̂ and rebuild y in their backward, bit for bit.
+- where y is rounded to 16 bits from a float32 x̂·γ + β (under autocast, say), y itself, the
+  very tensor its readers keep; the backward reads x̂ back from it. A 16-bit x̂ would make
+  the forward round twice, a gain error the same in every step: a bias eager does not have.
+Either way one copy serves the block. γ and β stay the norm's own parameters, under their own
+names: the state dict, the optimizer and the training run are the untouched model's. Under
+autocast the norm emits y in the autocast dtype, the dtype its readers compute in, so no cast
+makes a second copy, and y's bits are those eager's readers compute from.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import copy
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from actdesign.codegen.render import render_norms
@@ -38,7 +44,7 @@ class _MSNorm(nn.Module):
     kind = ""
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, *, weight=None, bias=None,
-                 unit_offset: bool = False):
+                 unit_offset: bool = False, round_input: bool = False, native: bool = False):
         super().__init__()
         if isinstance(normalized_shape, tuple | list):
             if len(normalized_shape) != 1:
@@ -49,15 +55,17 @@ class _MSNorm(nn.Module):
         self.register_parameter("weight", weight)  # the original's own, or None
         self.register_parameter("bias", bias)
         self.unit_offset = unit_offset
+        self.round_input = round_input  # x̂ rounded to x's dtype before the gain (LLaMA's)
+        self.native = native  # torch's layer norm, whose own kernel gives y its bits on CPU
+        self._apart = None  # (parameters' versions, the channels y cannot give x̂ back for)
 
     @classmethod
     def from_norm(cls, norm: nn.Module) -> _MSNorm:
         """The MS norm computing what `norm` computes (an nn.LayerNorm, nn.RMSNorm, or another
         library's layer or RMS norm, found by a probe), holding the same parameters under the
         same names. Refused with the reason for anything else."""
-        kind, d, eps, weight, bias, unit_offset = _affine(norm)
-        return (MSLayerNorm if kind == "layer" else MSRMSNorm)(
-            d, eps, weight=weight, bias=bias, unit_offset=unit_offset)
+        kind, d, eps, options = _affine(norm)
+        return (MSLayerNorm if kind == "layer" else MSRMSNorm)(d, eps, **options)
 
     def gamma(self):
         """γ as a tensor, or None for 1. 1 + w is formed in float32 at least, as Gemma does."""
@@ -78,25 +86,39 @@ class _MSNorm(nn.Module):
         def offered(y, xhat):
             offer_affine(y, xhat, gamma, bias)
 
+        ops = norm_ops()
         affine = gamma is not None or bias is not None
-        return norm_ops().apply(self.kind, x, self.eps, out_dtype, gamma, bias,
-                                on_output=offered if affine else None)
+        apart = None
+        if ops.keeps_output(x.dtype, out_dtype, gamma, bias, self.round_input):
+            apart = self._channels_apart(ops, gamma, bias, out_dtype)
+        return ops.apply(self.kind, x, self.eps, out_dtype, gamma, bias,
+                         on_output=offered if affine else None, round_input=self.round_input,
+                         apart=apart, native=self.native)
+
+    def _channels_apart(self, ops, gamma, bias, out_dtype):
+        """`channels_apart`, found again only when γ or β changed (it reads them on the host)."""
+        key = (out_dtype, gamma.device if gamma is not None else bias.device) + tuple(
+            None if p is None else (p._version, p.data_ptr()) for p in (self.weight, self.bias))
+        if self._apart is None or self._apart[0] != key:
+            self._apart = key, ops.channels_apart(gamma, bias, out_dtype)
+        return self._apart[1]
 
     def extra_repr(self) -> str:
         affine = "" if self.weight is None else \
             ", γ = 1 + weight" if self.unit_offset else ", γ = weight"
         return f"{self.normalized_shape}, eps={self.eps}{affine}" + \
-            (", β = bias" if self.bias is not None else "")
+            (", β = bias" if self.bias is not None else "") + \
+            (", x̂ rounded to x's dtype first" if self.round_input else "")
 
 
 class MSLayerNorm(_MSNorm):
-    """(x - mean) / sqrt(var + eps)·γ + β over the last dimension; keeps x̂ and rstd only."""
+    """(x - mean) / sqrt(var + eps)·γ + β over the last dimension; keeps rstd and x̂ (or y)."""
 
     kind = "layer"
 
 
 class MSRMSNorm(_MSNorm):
-    """x / sqrt(mean(x²) + eps)·γ over the last dimension; keeps x̂ and rstd only."""
+    """x / sqrt(mean(x²) + eps)·γ over the last dimension; keeps rstd and x̂ (or y)."""
 
     kind = "rms"
 
@@ -128,7 +150,8 @@ class _QMSNorm(_QuantizedInput, _MSNorm):
         """The MS norm `norm` computes, with its parameters, keeping b-bit codes of x̂."""
         cls = QMSLayerNorm if norm.kind == "layer" else QMSRMSNorm
         return cls(norm.normalized_shape, norm.eps, bits=bits, group_size=group_size,
-                   weight=norm.weight, bias=norm.bias, unit_offset=norm.unit_offset)
+                   weight=norm.weight, bias=norm.bias, unit_offset=norm.unit_offset,
+                   round_input=norm.round_input, native=norm.native)
 
     def _normalize(self, x, out_dtype, gamma, bias):
         if torch.is_grad_enabled() and any(
@@ -177,8 +200,10 @@ class _KeepingCodes(torch.autograd.Function):
 
 
 def _affine(norm: nn.Module):
-    """(kind, features, eps, weight or None, bias or None, whether γ = 1 + weight) of a
-    supported norm: torch's own by their attributes, any other by what it computes."""
+    """(kind, features, eps, the MS norm's keywords: weight and bias (or None), unit_offset
+    (γ = 1 + weight), round_input (x̂ rounded to x's dtype before the gain), native (torch's
+    layer norm kernel gives its bits)) of a supported norm: torch's own by their attributes,
+    any other by what it computes."""
     if type(norm) in (nn.LayerNorm, nn.RMSNorm):
         shape, weight = tuple(norm.normalized_shape), norm.weight
         eps = norm.eps
@@ -187,7 +212,8 @@ def _affine(norm: nn.Module):
         kind = "layer" if type(norm) is nn.LayerNorm else "rms"
         if len(shape) != 1:
             raise ActdesignError("MS norms normalise over the last dimension only")
-        return kind, shape[0], float(eps), weight, getattr(norm, "bias", None), False
+        return kind, shape[0], float(eps), dict(weight=weight, bias=getattr(norm, "bias", None),
+                                                native=kind == "layer")
     if type(norm).__module__.startswith("torch."):  # batch, group, instance norms
         raise ActdesignError(f"no MS norm computes a {type(norm).__name__}: supported are "
                              "layer and RMS norms over the last dimension")
@@ -259,9 +285,38 @@ def _probe_values(norm, d, candidates, weight, bias):
                     # float32 math: a few roundings of 2^-24 each; another formula misses by
                     # far more
                     if torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
-                        return kind, d, eps, weight, bias, unit_offset
+                        return kind, d, eps, dict(
+                            weight=weight, bias=bias, unit_offset=unit_offset,
+                            round_input=_rounds_input(norm, x.float(), kind, eps, unit_offset),
+                            native=kind == "layer" and not unit_offset and torch.equal(
+                                got.float(), F.layer_norm(x.float(), (d,), w, b, eps)))
     raise ActdesignError("it computes neither a layer norm nor an RMS norm x̂·γ + β with γ its "
                          "weight, 1 + its weight or 1 and β its bias or 0 (checked on a probe)")
+
+
+def _rounds_input(norm, x, kind, eps, unit_offset) -> bool:
+    """Whether the norm rounds x̂ to its input's dtype before the gain, as LLaMA's RMSNorm does
+    (`weight * x̂.to(input_dtype)`): its bfloat16 copy's output on a bfloat16 probe equals that
+    and not the once-rounded x̂·γ + β. Weights near 1, as trained, tell them apart."""
+    probe = _float32_copy(norm).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            p = getattr(probe, name, None)
+            if p is not None:
+                offset = 1.0 if name == "weight" and not unit_offset else 0.0
+                p.copy_(offset + 0.01 * torch.randn(p.shape, generator=gen))
+        xb = x.to(torch.bfloat16)
+        got = probe(xb).float()
+        centred = xb.float() - xb.float().mean(-1, keepdim=True) if kind == "layer" else \
+            xb.float()
+        xhat = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+        w, b = (getattr(probe, k, None) for k in ("weight", "bias"))
+        gamma = 1.0 if w is None else w.float() + (1.0 if unit_offset else 0.0)
+        beta = 0.0 if b is None else b.float()
+        once = (xhat * gamma + beta).to(torch.bfloat16).float()
+        twice = (xhat.to(torch.bfloat16).float() * gamma + beta).to(torch.bfloat16).float()
+    return bool(torch.equal(got, twice) and not torch.equal(got, once))
 
 
 def _changes(probe, x, got, name, gen) -> bool:
