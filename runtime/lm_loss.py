@@ -3,12 +3,15 @@ cross-entropy, chunk by chunk over the tokens.
 
     loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels)
 
-The forward computes each chunk's logits, keeps one float32 log-sum-exp per token and drops
-the chunk. The backward computes each chunk's logits again and turns them at once into that
-chunk's share of the gradients: softmax(z) - onehot(y), times the upstream scale. So nothing of
-size (tokens x vocabulary) outlives one chunk, forward or backward, and what is kept for the
-backward is the hidden states (often the very tensor a norm already keeps), the labels and
-4 bytes per token. The price is a second logits product in the backward.
+The forward computes each chunk's logits, keeps one float32 per token and drops the chunk:
+the log-sum-exp of the token's logits less their maximum (between 0 and log V, so that it
+rounds relative to the loss, not to the logits' size). The backward computes each chunk's
+logits again, finds each token's maximum anew and turns them at once into that chunk's share
+of the gradients: softmax(z) - onehot(y), times the upstream scale, the target's entry as
+expm1 of its log-probability (the digits of p - 1 survive a confident prediction). So
+nothing of size (tokens x vocabulary) outlives one chunk, forward or backward, and what is
+kept for the backward is the hidden states (often the very tensor a norm already keeps), the
+labels and 4 bytes per token. The price is a second logits product in the backward.
 
 A chunk's cross-entropy is one pass over its logits each way where Triton runs (CUDA): the
 kernels read the logits in the product's dtype, keep float32 in registers and write the
@@ -100,26 +103,27 @@ def _wide(dtype):
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Σ over counted tokens of logsumexp(z) - z[target], z = hidden @ weight.T per chunk."""
+    """Σ over counted tokens of logsumexp(z) - z[target], z = hidden @ weight.T per chunk,
+    computed as (max z - z[target]) + logsumexp(z - max z); the second term is what is kept."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, dtype):
         ops, w, wide = loss_ops(), weight.to(dtype), _wide(dtype)
-        lse = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
-        nll = torch.empty_like(lse)
+        r = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
+        nll = torch.empty_like(r)
         for a, b in _chunks(hidden.shape[0], chunk_size):
-            ops.row_losses(hidden[a:b] @ w.T, targets[a:b], ignore_index, lse[a:b], nll[a:b])
+            ops.row_losses(hidden[a:b] @ w.T, targets[a:b], ignore_index, r[a:b], nll[a:b])
         kept, extras, ctx.make = kept_for(hidden)  # a final MS norm's x̂, where it offers it
         if kept is None:  # a recipe with nothing to slice per chunk: keep the hidden states
             kept, extras, ctx.make = hidden, (), None
-        ctx.save_for_backward(kept, weight, targets, lse, *extras)
+        ctx.save_for_backward(kept, weight, targets, r, *extras)
         ctx.ignore_index, ctx.chunk_size, ctx.dtype = ignore_index, chunk_size, dtype
         ctx.hidden_dtype = hidden.dtype
         return nll.sum()
 
     @staticmethod
     def backward(ctx, grad_total):
-        kept, weight, targets, lse, *extras = ctx.saved_tensors
+        kept, weight, targets, r, *extras = ctx.saved_tensors
         ops, w, wide = loss_ops(), weight.to(ctx.dtype), _wide(ctx.dtype)
         grad_hidden = torch.empty(kept.shape, dtype=ctx.hidden_dtype, device=kept.device) \
             if ctx.needs_input_grad[0] else None
@@ -130,7 +134,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 hidden = rebuild(kept[a:b], extras, ctx.make, (b - a, kept.shape[1]),
                                  ctx.hidden_dtype)  # a chunk at a time
                 dz = ops.logits_grad_(hidden @ w.T, targets[a:b], ctx.ignore_index,
-                                      lse[a:b], grad_total)
+                                      r[a:b], grad_total)
                 if grad_hidden is not None:
                     torch.mm(dz, w, out=grad_hidden[a:b])
                 if grad_weight is not None and dz.dtype == grad_weight.dtype:
