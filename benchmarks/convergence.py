@@ -488,6 +488,7 @@ def noise_floor_main(args, parser):
         parser.error("--noise-floor needs at least 2 distinct seeds (default 8) for its tests")
     cfg = replace(QUICK if args.quick else NOISE, **(
         {"steps": args.steps, "eval_every": args.steps} if args.steps else {}))
+    torch.set_num_threads(1)  # the timing it is sized for, and one core per run
     setting = make_setting(args)
     began = time.perf_counter()
     train_text, val_text = describe(args, cfg, setting)
@@ -528,7 +529,6 @@ def main():
     parser.add_argument("--plot", default="out/convergence.png")
     args = parser.parse_args()
     if args.noise_floor:
-        torch.set_num_threads(1)  # the timing it is sized for, and one core per run
         return noise_floor_main(args, parser)
     names = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
     if unknown := sorted(set(names) - set(VARIANTS)):
