@@ -40,7 +40,7 @@ P on PEFT LoRA (r = 8 on the seven attention and MLP projections, no dropout, lr
 its own baseline and control: each fine-tunes the seed's trained baseline arm, so the frozen
 base has learned something to adapt, for as many steps on fresh batches. Sized for one
 thread: a LLaMA with d=64, 2 layers, 400 steps of 16 x 64 bytes; msnorm, llm and lora+llm
-at 8 seeds take about 22 minutes on one core.
+at 8 seeds take about 25 minutes on one core of a shared 2-core machine.
 
 Run: .venv/bin/python benchmarks/convergence.py [--quick] [--markdown] [--variants a,b]
          [--steps N] [--seeds S ...] [--precision P] [--device D] [--plot out/convergence.png]
