@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/lora_memory.py --quick --repeats 1
 	$(BIN)/python benchmarks/convergence.py --quick
 	$(BIN)/python benchmarks/convergence.py --quick --arch llama --variants llm --precision bf16-autocast
+	$(BIN)/python benchmarks/convergence.py --quick --noise-floor --arch llama --precision bf16-autocast
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info

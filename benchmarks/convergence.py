@@ -29,8 +29,22 @@ and optimizer state in bfloat16. On a CPU without native bfloat16 arithmetic, bf
 products are computed through float32 kernels unless `--native-cpu-bf16`
 (`measure.float32_matmuls`): the same numbers to accumulation order, many times faster there.
 
+Noise floor (`--noise-floor`, with `--arch llama`): whether a lossless variant differs from
+the baseline by more than a change of rounding does. Per seed (default 8), three arms from the
+same weights and batches: the baseline; a control, the baseline with each batch run as two
+half micro-batches whose gradients accumulate (the same step, rounded differently); and the
+variant. Reported: each arm's final validation loss per seed, variant - baseline and control -
+baseline (relative, %), their means and standard deviations over the seeds, and paired t tests
+(two-sided) of variant against baseline and of variant against control. `lora+P` runs preset
+P on PEFT LoRA (r = 8 on the seven attention and MLP projections, no dropout, lr 1e-3) with
+its own baseline and control: each fine-tunes the seed's trained baseline arm, so the frozen
+base has learned something to adapt, for as many steps on fresh batches. Sized for one
+thread: a LLaMA with d=64, 2 layers, 400 steps of 16 x 64 bytes; msnorm, llm and lora+llm
+at 8 seeds take about 25 minutes on one core of a shared 2-core machine.
+
 Run: .venv/bin/python benchmarks/convergence.py [--quick] [--markdown] [--variants a,b]
          [--steps N] [--seeds S ...] [--precision P] [--device D] [--plot out/convergence.png]
+         [--noise-floor]
 """
 
 from __future__ import annotations
@@ -250,19 +264,26 @@ def schedule(cfg: Config):
     return factor
 
 
-def train(model, cfg: Config, batches, val, setting: Setting) -> tuple[list, float]:
-    """AdamW over the batches; returns ([(step, validation loss)], median seconds per step)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
+def train(model, cfg: Config, batches, val, setting: Setting,
+          micro_batches: int = 1) -> tuple[list, float]:
+    """AdamW over the trainable parameters and the batches, each batch run as `micro_batches`
+    equal parts whose gradients accumulate (the same step to rounding); returns
+    ([(step, validation loss)], median seconds per step)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg))
     curve, times = [(0, val_loss(model, val, setting))], []
     sync = torch.cuda.synchronize if setting.device.startswith("cuda") else lambda: None
     for step, batch in enumerate(batches, 1):
         sync()
         start = time.perf_counter()
-        loss = setting.loss(model, batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss = 0.0
+        for part in zip(*(t.chunk(micro_batches) for t in batch), strict=True):
+            part_loss = setting.loss(model, part) / micro_batches  # equal parts: the mean
+            part_loss.backward()
+            loss += part_loss.detach()
+        nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         sync()
@@ -343,36 +364,114 @@ def mean_curve(curves: list) -> list:
             for i, (step, _) in enumerate(curves[0])]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model, a few steps (CI)")
-    parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated, from: " + ", ".join(VARIANTS))
-    parser.add_argument("--steps", type=int, help="training steps (default: by mode)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
-                        help="one comparison per seed; goals on the mean excess")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--precision", choices=PRECISIONS,
-                        help="default: bf16-autocast on CUDA, fp32 on CPU")
-    parser.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
-                        help="the GPT defined here, or a LLaMA from transformers (for llm)")
-    parser.add_argument("--native-cpu-bf16", action="store_true",
-                        help="on CPU, run torch's own bfloat16 matrix products (see above)")
-    parser.add_argument("--plot", default="out/convergence.png")
-    args = parser.parse_args()
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if unknown := sorted(set(names) - set(VARIANTS)):
-        parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
-    if "baseline" not in names:  # every ratio is against it
-        names.insert(0, "baseline")
-    cfg = replace(QUICK if args.quick else DEFAULT, **(
-        {"steps": args.steps} if args.steps else {}))
+# --- noise floor ----------------------------------------------------------------------------
+
+NOISE = Config(d=64, layers=2, heads=4, seq=64, batch=16, steps=400, lr=3e-3, eval_every=400,
+               val_batches=16)  # 8 seeds of msnorm, llm and lora+llm in ~20 min on one core
+NOISE_VARIANTS = ["msnorm", "llm", "lora+llm"]
+NOISE_SEEDS, QUICK_NOISE_SEEDS = 8, 3
+LORA_R, LORA_LR = 8, 1e-3
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_BATCH_SEED = 10_000  # the fine-tuning batches' seed is the seed plus this
+
+
+def with_lora(base: nn.Module) -> nn.Module:
+    """A copy of `base` with PEFT LoRA adapters (r = 8, no dropout) on the attention and MLP
+    projections; the embeddings, norms and head stay frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(copy.deepcopy(base), LoraConfig(
+        r=LORA_R, lora_alpha=2 * LORA_R, lora_dropout=0.0, target_modules=LORA_TARGETS,
+        task_type="CAUSAL_LM"))
+
+
+def noise_floor_seed(variants, cfg: Config, seed: int, setting: Setting, train_text,
+                     val_text) -> dict:
+    """{arm: final validation loss} for one seed. Arms: "baseline", "control" (the baseline
+    with every batch run as two half micro-batches, gradients accumulated) and each full
+    variant, all from the same weights and batches; then, if a "lora+P" variant is asked,
+    "lora baseline", "lora control" and the variants, PEFT LoRA fine-tuning the trained
+    baseline on fresh batches."""
+    batches, val = train_batches(train_text, cfg, seed), val_batches(val_text, cfg)
+    torch.manual_seed(seed)
+    base = build("llama", cfg).to(setting.device)
+    if setting.precision == "bf16":
+        base.to(torch.bfloat16)
+
+    def arm(name, model, arm_cfg, arm_batches, micro_batches=1):
+        print(f"{name}, seed {seed}:", file=sys.stderr, flush=True)
+        with setting.matmuls():
+            curve, _ = train(model, arm_cfg, arm_batches, val, setting, micro_batches)
+        finals[name] = curve[-1][1]
+
+    finals = {}
+    pretrained = copy.deepcopy(base)
+    arm("baseline", pretrained, cfg, batches)
+    arm("control", copy.deepcopy(base), cfg, batches, micro_batches=2)
+    for name in (v for v in variants if not v.startswith("lora+")):
+        torch.manual_seed(seed)
+        with setting.matmuls():
+            model = make_variant(base, name, batches, setting)
+        arm(name, model, cfg, batches)
+    if lora := [v for v in variants if v.startswith("lora+")]:
+        tune_cfg = replace(cfg, lr=LORA_LR)
+        tune_batches = train_batches(train_text, cfg, seed + LORA_BATCH_SEED)
+        torch.manual_seed(seed)  # the adapters' initial weights, shared by the LoRA arms
+        adapted = with_lora(pretrained)
+        arm("lora baseline", copy.deepcopy(adapted), tune_cfg, tune_batches)
+        arm("lora control", copy.deepcopy(adapted), tune_cfg, tune_batches, micro_batches=2)
+        for name in lora:
+            with setting.matmuls():
+                model = make_variant(adapted, name.removeprefix("lora+"), tune_batches, setting)
+            arm(name, model, tune_cfg, tune_batches)
+    return finals
+
+
+def paired_t(differences: list[float]) -> tuple[float, float]:
+    """(t, two-sided p) of the paired test that the per-seed differences have mean 0."""
+    from scipy import stats
+
+    test = stats.ttest_1samp(differences, 0.0)
+    return float(test.statistic), float(test.pvalue)
+
+
+def noise_floor_tables(variants, per_seed: list[dict], seeds, markdown: bool):
+    """Per variant, a row per seed; then the means, standard deviations and paired tests of
+    variant - baseline and control - baseline (relative, %) over the seeds."""
+    summary = []
+    for name in variants:
+        prefix = "lora " if name.startswith("lora+") else ""
+        base = [r[prefix + "baseline"] for r in per_seed]
+        control, variant = ([100 * (r[arm] / b - 1) for r, b in zip(per_seed, base, strict=True)]
+                            for arm in (prefix + "control", name))
+        print(f"\n{name}: final validation loss per seed ({prefix}baseline and control: "
+              f"{'LoRA on the trained baseline' if prefix else 'full training'})\n")
+        row = table(["seed", f"{prefix}baseline", f"{prefix}control", name,
+                     "control - base %", "variant - base %"], markdown, width=18, first=6)
+        for seed, r, c, v in zip(seeds, per_seed, control, variant, strict=True):
+            row([str(seed), f"{r[prefix + 'baseline']:.4f}", f"{r[prefix + 'control']:.4f}",
+                 f"{r[name]:.4f}", f"{c:+.3f}", f"{v:+.3f}"])
+        summary.append((name, control, variant))
+    print(f"\nOver {len(seeds)} seeds: mean and sd of the relative differences (%); paired t "
+          "tests, two-sided\n")
+    row = table(["variant", "control-base", "sd", "variant-base", "sd", "t vs base",
+                 "p vs base", "t vs control", "p vs control"], markdown, width=13, first=10)
+    for name, control, variant in summary:
+        t_base, p_base = paired_t(variant)
+        t_control, p_control = paired_t([v - c for v, c in zip(variant, control, strict=True)])
+        row([name, f"{statistics.fmean(control):+.3f}", f"{statistics.stdev(control):.3f}",
+             f"{statistics.fmean(variant):+.3f}", f"{statistics.stdev(variant):.3f}",
+             f"{t_base:+.2f}", f"{p_base:.3f}", f"{t_control:+.2f}", f"{p_control:.3f}"])
+
+
+def make_setting(args) -> Setting:
     precision = args.precision or default_precision(args.device)
-    setting = Setting(args.device, precision, emulate_matmuls=emulate_bf16_matmuls(
+    return Setting(args.device, precision, emulate_matmuls=emulate_bf16_matmuls(
         args.device, precision, args.native_cpu_bf16))
 
-    began = time.perf_counter()
+
+def describe(args, cfg: Config, setting: Setting) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the data and print the run's setup; (train bytes, validation bytes)."""
     train_text, val_text, files = stdlib_text()
     params = sum(p.numel() for p in build(args.arch, cfg).parameters())
     where = (torch.cuda.get_device_name(0) if setting.device.startswith("cuda") else
@@ -386,7 +485,77 @@ def main():
           f"{setting.precision}, {where}, torch {torch.__version__}"
           + ("; bf16 matmuls with float32 accumulation via float32 kernels" if
              setting.emulate_matmuls else "") + "\n", flush=True)
+    return train_text, val_text
 
+
+def noise_floor_main(args, parser):
+    names = [v.strip() for v in (args.variants or ",".join(NOISE_VARIANTS)).split(",")
+             if v.strip()]
+    presets = [v for v in VARIANTS if v != "baseline"]
+    if unknown := sorted(v for v in names if v.removeprefix("lora+") not in presets):
+        parser.error(f"unknown variants {unknown}; choose from {presets}, each optionally "
+                     "as lora+P")
+    if args.arch != "llama":
+        parser.error("--noise-floor trains the LLaMA (PEFT wraps it): add --arch llama")
+    args.seeds = args.seeds or list(range(QUICK_NOISE_SEEDS if args.quick else NOISE_SEEDS))
+    if len(args.seeds) < 2 or len(set(args.seeds)) < len(args.seeds):
+        parser.error("--noise-floor needs at least 2 distinct seeds (default 8) for its tests")
+    cfg = replace(QUICK if args.quick else NOISE, **(
+        {"steps": args.steps, "eval_every": args.steps} if args.steps else {}))
+    torch.set_num_threads(1)  # the timing it is sized for, and one core per run
+    setting = make_setting(args)
+    began = time.perf_counter()
+    train_text, val_text = describe(args, cfg, setting)
+    print(f"noise floor: per seed the baseline, a control (each batch as two half "
+          f"micro-batches, gradients accumulated) and each variant; lora+P: PEFT LoRA r="
+          f"{LORA_R} on {', '.join(LORA_TARGETS)}, lr {LORA_LR:g}, fine-tuning the seed's "
+          f"trained baseline for {cfg.steps} steps on fresh batches", flush=True)
+    per_seed = [noise_floor_seed(names, cfg, seed, setting, train_text, val_text)
+                for seed in args.seeds]
+    noise_floor_tables(names, per_seed, args.seeds, args.markdown)
+    print(f"\nwall time {time.perf_counter() - began:.0f} s")
+    if args.quick:
+        print("(--quick is a smoke test: too few steps and seeds for the tests to mean anything)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model, a few steps (CI)")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--variants", help="comma-separated, from: " + ", ".join(VARIANTS)
+                        + "; with --noise-floor also lora+P (default there: "
+                        + ",".join(NOISE_VARIANTS) + ")")
+    parser.add_argument("--steps", type=int, help="training steps (default: by mode)")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="one comparison per seed; goals on the mean excess (default: 0; "
+                             f"with --noise-floor 0-{NOISE_SEEDS - 1}, with --quick too "
+                             f"0-{QUICK_NOISE_SEEDS - 1})")
+    parser.add_argument("--noise-floor", action="store_true",
+                        help="baseline, micro-batch control and variant per seed, one thread, "
+                             "paired tests (see above)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", choices=PRECISIONS,
+                        help="default: bf16-autocast on CUDA, fp32 on CPU")
+    parser.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
+                        help="the GPT defined here, or a LLaMA from transformers (for llm)")
+    parser.add_argument("--native-cpu-bf16", action="store_true",
+                        help="on CPU, run torch's own bfloat16 matrix products (see above)")
+    parser.add_argument("--plot", default="out/convergence.png")
+    args = parser.parse_args()
+    if args.noise_floor:
+        return noise_floor_main(args, parser)
+    names = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
+    if unknown := sorted(set(names) - set(VARIANTS)):
+        parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if "baseline" not in names:  # every ratio is against it
+        names.insert(0, "baseline")
+    args.seeds = args.seeds or [0]
+    cfg = replace(QUICK if args.quick else DEFAULT, **(
+        {"steps": args.steps} if args.steps else {}))
+    setting = make_setting(args)
+
+    began = time.perf_counter()
+    train_text, val_text = describe(args, cfg, setting)
     per_seed = [run_seed(names, cfg, seed, setting, train_text, val_text, args.arch)
                 for seed in args.seeds]
 
