@@ -44,6 +44,10 @@ def test_llm_passes_ligers_bf16_check(name, one_thread):
     assert out.loss_margin < 1, out.losses
     assert out.params_outside == 0, (out.param_margin, out.param_diff)
     assert out.passed
+    # Liger's parameter atol exceeds what 32 steps at lr 1e-4 move a weight, so the check
+    # above cannot see a wrong gradient; the distance between the runs against the distance
+    # training moved them can: about sqrt(2) where the two runs' moves are uncorrelated.
+    assert out.drift < 1
 
 
 def test_margin_is_ligers_tolerance_ratio():
