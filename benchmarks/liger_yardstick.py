@@ -77,10 +77,10 @@ MODELS = {
         hidden_size=896, intermediate_size=4864, num_attention_heads=8, num_key_value_heads=2,
         num_hidden_layers=4, vocab_size=32000, rms_norm_eps=1e-6, rope_theta=1000000.0,
         tie_word_embeddings=True, attn_implementation="sdpa")),
-    "mini_qwen3": ("Qwen3", dict(
+    "mini_qwen3": ("Qwen3", dict(  # head_dim: Qwen3Config's default, which Liger leaves
         hidden_size=896, intermediate_size=4864, num_attention_heads=8, num_key_value_heads=2,
-        num_hidden_layers=4, vocab_size=32000, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        tie_word_embeddings=True, attn_implementation="sdpa")),
+        head_dim=128, num_hidden_layers=4, vocab_size=32000, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, attn_implementation="sdpa")),
     "mini_mistral": ("Mistral", dict(
         hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2,
         num_hidden_layers=4, vocab_size=32000, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -259,8 +259,8 @@ def describe(fields: dict, scale: Scale | None) -> str:
     heads = fields["num_attention_heads"]
     kv = fields["num_key_value_heads"] or heads
     tokens = f"{scale.batch}x{scale.seq}" if scale else f"{BATCH}x(dataset)"
-    return (f"{fields['hidden_size']}/{fields['intermediate_size']}/{heads}({kv})x{head_dim}/"
-            f"{fields['num_hidden_layers']}/{fields['vocab_size']}/{tokens}")
+    return (f"{fields['hidden_size']}/{fields['intermediate_size']}/{heads}({kv})"
+            f"x{head_dim(fields)}/{fields['num_hidden_layers']}/{fields['vocab_size']}/{tokens}")
 
 
 def main():
