@@ -47,15 +47,27 @@ def norm_kernels(ops, dtype):
             "x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "d": "i32",
             "eps": "fp32", "RMS": "constexpr", "BLOCK": "constexpr"},
             constexprs={"RMS": rms, "BLOCK": 1024})
-        for affine in (False, True):
-            yield f"norm rms={rms} affine={affine} backward", ASTSource(ops._backward_kernel, {
-                "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "g_ptr": f"*{dtype}",
-                "w_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}", "dw_ptr": "*fp32",
-                "db_ptr": "*fp32", "rows": "i32", "d": "i32", "rows_per_program": "i32",
-                "RMS": "constexpr", "HAS_W": "constexpr", "AFFINE_GRADS": "constexpr",
-                "BLOCK": "constexpr"},
+        yield f"norm rms={rms} forward to y", ASTSource(ops._forward_output_kernel, {
+            "x_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": f"*{dtype}",
+            "rstd_ptr": "*fp32", "slot_ptr": "*i32", "apart_ptr": f"*{dtype}", "d": "i32",
+            "n_apart": "i32", "eps": "fp32", "RMS": "constexpr", "HAS_W": "constexpr",
+            "HAS_B": "constexpr", "ROUND_INPUT": "constexpr", "HAS_APART": "constexpr",
+            "BLOCK": "constexpr"},
+            constexprs={"RMS": rms, "HAS_W": True, "HAS_B": not rms, "ROUND_INPUT": False,
+                        "HAS_APART": True, "BLOCK": 1024})
+        for affine, from_output in ((False, False), (True, False), (True, True)):
+            yield f"norm rms={rms} affine={affine} from_y={from_output} backward", ASTSource(
+                ops._backward_kernel, {
+                    "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "g_ptr": f"*{dtype}",
+                    "w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "slot_ptr": "*i32",
+                    "apart_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}", "dw_ptr": "*fp32",
+                    "db_ptr": "*fp32", "rows": "i32", "d": "i32", "n_apart": "i32",
+                    "rows_per_program": "i32", "RMS": "constexpr", "HAS_W": "constexpr",
+                    "AFFINE_GRADS": "constexpr", "FROM_OUTPUT": "constexpr",
+                    "HAS_B": "constexpr", "HAS_APART": "constexpr", "BLOCK": "constexpr"},
                 constexprs={"RMS": rms, "HAS_W": affine, "AFFINE_GRADS": affine,
-                            "BLOCK": 1024})
+                            "FROM_OUTPUT": from_output, "HAS_B": from_output and not rms,
+                            "HAS_APART": from_output, "BLOCK": 1024})
     yield "norm affine", ASTSource(ops._affine_kernel, {
         "xhat_ptr": f"*{dtype}", "w_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": f"*{dtype}",
         "d": "i32", "HAS_W": "constexpr", "HAS_B": "constexpr", "BLOCK": "constexpr"},
