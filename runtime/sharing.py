@@ -1,7 +1,8 @@
 """What a tensor's producer offers the layers that read it, so that they keep less.
 
-An MS norm's output is y = x̂·γ + β, and the norm keeps x̂ for its own backward. A layer
-reading y needs y only for its weight gradient: instead of y it keeps a reference to that same
+An MS norm's output is y = x̂·γ + β, and in float32 the norm keeps x̂ for its own backward
+(where y is rounded to 16 bits from a float32 x̂·γ + β, it keeps y itself and offers nothing:
+its readers keep that same y). A layer reading y needs y only for its weight gradient: instead of y it keeps a reference to that same
 x̂, with γ and β (parameters the model holds anyway), and rebuilds y in its backward with the
 norm's own `affine`, bit for bit. So x̂ is stored once for the norm and all its readers, and
 the norm keeps its parameters: nothing is folded, nothing is reparametrised. MS-GLU offers
