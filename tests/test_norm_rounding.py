@@ -3,38 +3,21 @@ eager's bit for bit, at norm weights near but not at 1 (where rounding x̂ to 16
 the gain would show as a staircase in γ), and the gradients carry no bias beyond rounding
 noise. Also the backward from the norm's output y, and the channels y cannot give x̂ back for."""
 
-import math
 import os
 import sys
 
 import pytest
 import torch
-from torch import nn
 
 from actdesign.runtime import compress, models, norm_ops
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import gradient_bias  # noqa: E402
+from gradient_bias import near_one  # noqa: E402
 from lms import architecture  # noqa: E402
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
-
-
-def near_one(model, spread=0.01, seed=0):
-    """Norm weights within 1 ± spread (w within ±spread where γ = 1 + w), biases ~ N(0, 0.1²):
-    as trained norms have. Dropout off, so that runs compare."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
-            if type(m).__name__.endswith(("LayerNorm", "RMSNorm")):
-                w, b = getattr(m, "weight", None), getattr(m, "bias", None)
-                if isinstance(w, torch.Tensor):
-                    offset = 0.0 if float(w.float().mean()) == 0.0 else 1.0  # 1 + w from 0
-                    w.copy_(offset + spread * (2 * torch.rand(w.shape, generator=g) - 1))
-                if isinstance(b, torch.Tensor):
-                    b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    return model
 
 
 MODELS = {"llama": lambda: models.build("llama-tiny")[0],
@@ -69,76 +52,22 @@ def test_the_forward_is_eagers_bit_for_bit(name, policy, weights):
 
 # --- the gradient: no bias beyond rounding ------------------------------------------------
 
-def flat_grad(model):
-    return torch.cat([p.grad.double().flatten() for p in model.parameters()])
-
-
-def gradient(model, batch, dtype=None, micro=1):
-    """The parameter gradient of the mean loss over `batch` (float64 for the reference, bf16
-    autocast otherwise), in `micro` micro-batches."""
-    model.zero_grad()
-    for part in batch.chunk(micro):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is None):
-            loss = model(input_ids=part, labels=part).loss
-        (loss * len(part) / len(batch)).backward()
-    return flat_grad(model)
-
-
-def bias_ratio(extra):
-    """|mean of the per-batch extra errors| over what independent noise gives,
-    sqrt(mean |e_i|² / n): about 1 for noise, above for an error the same in every batch."""
-    n = len(extra)
-    mean = torch.stack(extra).mean(0)
-    noise = math.sqrt(sum(float(e.square().sum()) for e in extra) / n / n)
-    return float(mean.norm()) / noise if noise else 0.0  # no extra error at all
-
-
-def projected_t(extra, direction):
-    """The t statistic of the extra errors projected on `direction` (a unit vector)."""
-    p = torch.stack([e @ direction for e in extra])
-    return float(p.mean() / (p.std() / math.sqrt(len(p))))
-
-
-def bias_of(name, policy, batches=16, spread=0.01):
-    """(bias ratio, projected t) of the policy's extra gradient error against float64, and
-    the same for eager run as two micro-batches, the rounding-only control."""
-    reference = near_one(MODELS[name](), spread).double().train()
-    eager = near_one(MODELS[name](), spread).train()
-    ours = near_one(MODELS[name](), spread).train()
-    gen = torch.Generator().manual_seed(1)
-    # Tokens drawn independently with Zipf's frequencies, as text has them: the gradient has
-    # a mean across batches for a bias to align with (uniform tokens give it almost none).
-    zipf = 1.0 / torch.arange(1, eager.config.vocab_size)
-    data = [1 + torch.multinomial(zipf, 4 * 32, replacement=True, generator=gen).view(4, 32)
-            for _ in range(batches)]
-    compress(ours, policy, example_inputs={"input_ids": data[0], "labels": data[0]})
-    extra, control, grads = [], [], []
-    for batch in data:
-        exact = gradient(reference, batch, torch.float64)
-        base = gradient(eager, batch) - exact
-        extra.append(gradient(ours, batch) - exact - base)
-        control.append(gradient(eager, batch, micro=2) - exact - base)
-        grads.append(exact)
-    direction = torch.stack(grads).mean(0)
-    direction /= direction.norm()
-    return (bias_ratio(extra), projected_t(extra, direction)), \
-        (bias_ratio(control), projected_t(control, direction))
-
-
 @pytest.mark.parametrize("policy", ["msnorm", "llm"])
-def test_the_gradient_carries_no_bias_beyond_rounding(policy, monkeypatch):
+def test_the_gradient_carries_no_bias_beyond_rounding(policy):
     """Over 16 batches, against float64: the extra gradient error of the policy over eager
     bf16 autocast averages out as independent noise does (bias ratio below 1.3; the
     rounding-only control, eager in two micro-batches, is near 1), and its projection on the
     mean gradient is not significant (|t| < 3, p about 0.01 at 15 degrees of freedom). The old
     forward, x̂ rounded to bf16 before the gain, fails this: a gain error the same in every
     batch (checked below, so the test can fail)."""
-    (ratio, t), (control_ratio, _) = bias_of("llama", policy)
+    build = MODELS["llama"]
+    control_ratio, _ = gradient_bias.bias_of(build, None, micro=2)
     assert control_ratio < 1.3
+    ratio, t = gradient_bias.bias_of(build, gradient_bias.policy(policy))
     assert ratio < 1.3 and abs(t) < 3, (ratio, t)
     if policy == "msnorm":
-        monkeypatch.setattr(norm_ops(), "keeps_output", lambda *args, **kwargs: False)
-        (old_ratio, _), _ = bias_of("llama", policy)
+        with gradient_bias.xhat_first():
+            old_ratio, _ = gradient_bias.bias_of(build, gradient_bias.policy(policy))
         assert old_ratio > 1.3
 
 
