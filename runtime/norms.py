@@ -207,8 +207,9 @@ def _affine(norm: nn.Module):
     if type(norm) in (nn.LayerNorm, nn.RMSNorm):
         shape, weight = tuple(norm.normalized_shape), norm.weight
         eps = norm.eps
-        if eps is None:  # nn.RMSNorm's default
-            eps = torch.finfo(weight.dtype if weight is not None else torch.float32).eps
+        if eps is None:  # nn.RMSNorm's default: the eps of the dtype it computes in
+            dtype = weight.dtype if weight is not None else torch.float32
+            eps = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
         kind = "layer" if type(norm) is nn.LayerNorm else "rms"
         if len(shape) != 1:
             raise ActdesignError("MS norms normalise over the last dimension only")

@@ -1,13 +1,13 @@
 """What a tensor's producer offers the layers that read it, so that they keep less.
-
 An MS norm's output is y = x̂·γ + β, and in float32 the norm keeps x̂ for its own backward
-(where y is rounded to 16 bits from a float32 x̂·γ + β, it keeps y itself and offers nothing:
-its readers keep that same y). A layer reading y needs y only for its weight gradient: instead of y it keeps a reference to that same
-x̂, with γ and β (parameters the model holds anyway), and rebuilds y in its backward with the
-norm's own `affine`, bit for bit. So x̂ is stored once for the norm and all its readers, and
-the norm keeps its parameters: nothing is folded, nothing is reparametrised. MS-GLU offers
-its product h = act(g)·u the same way, from the g and u it keeps (a LoRA down projection reads
-h), and so may any producer: a recipe that rebuilds y from tensors it keeps anyway.
+(where y is rounded to 16 bits from a float32 x̂·γ + β, it keeps y itself and offers
+nothing: its readers keep that same y). A layer reading y needs y only for its weight
+gradient: instead of y it keeps a reference to that same x̂, with γ and β (parameters the
+model holds anyway), and rebuilds y in its backward with the norm's own `affine`, bit for
+bit. So x̂ is stored once for the norm and all its readers, and the norm keeps its
+parameters: nothing is folded, nothing is reparametrised. MS-GLU offers its product h =
+act(g)·u the same way, from the g and u it keeps (a LoRA down projection reads h), and so
+may any producer: a recipe that rebuilds y from tensors it keeps anyway.
 
 The offer is an attribute of y, valid while y is unchanged (its version counter). A reader
 may hold a view of every element of y (transformers slices `h[:, 0:]` before the head, and a

@@ -155,6 +155,7 @@ def trained_like(norm, seed=0, spread=0.01):
 
 
 EAGER_NORMS = {"layer": lambda d: nn.LayerNorm(d), "rms": lambda d: nn.RMSNorm(d, eps=1e-6),
+               "rms-default-eps": lambda d: nn.RMSNorm(d),  # float32's eps, even in bf16
                "llama": lambda d: LlamaStyleRMSNorm(d)}
 
 
@@ -163,9 +164,9 @@ EAGER_NORMS = {"layer": lambda d: nn.LayerNorm(d), "rms": lambda d: nn.RMSNorm(d
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_output_is_eagers_and_its_readers_keep_one_copy(kind, mode, backend, monkeypatch):
     """y is eager's, bit for bit on the torch path, at γ within 1 ± 0.01 (where a second
-    rounding of x̂ would show). Where y is as wide as x̂, or the norm rounds x̂ to y's dtype itself, the readers
-    keep x̂ and rebuild y bit for bit; where y is rounded to 16 bits from the float32 x̂·γ + β,
-    they keep y itself, which the norm keeps too."""
+    rounding of x̂ would show). Where y is as wide as x̂, or the norm rounds x̂ to y's dtype
+    itself, the readers keep x̂ and rebuild y bit for bit; where y is rounded to 16 bits from
+    the float32 x̂·γ + β, they keep y itself, which the norm keeps too."""
     monkeypatch.setenv("ACTDESIGN_BACKEND", backend)
     ref = trained_like(EAGER_NORMS[kind](40))
     ref = ref.to(torch.bfloat16 if mode == "bf16" else torch.float32)
