@@ -1,4 +1,5 @@
 """What a tensor's producer offers the layers that read it, so that they keep less.
+
 An MS norm's output is y = x̂·γ + β, and in float32 the norm keeps x̂ for its own backward
 (where y is rounded to 16 bits from a float32 x̂·γ + β, it keeps y itself and offers
 nothing: its readers keep that same y). A layer reading y needs y only for its weight
