@@ -50,6 +50,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/convergence.py --quick
 	$(BIN)/python benchmarks/convergence.py --quick --arch llama --variants llm --precision bf16-autocast
 	$(BIN)/python benchmarks/convergence.py --quick --noise-floor --arch llama --precision bf16-autocast
+	$(BIN)/python benchmarks/loss_accuracy.py --tokens 64 --seq 4
+	$(BIN)/python benchmarks/gradient_bias.py --batches 4 --models llama
+	$(BIN)/python benchmarks/norm_bytes.py
+	$(BIN)/python benchmarks/liger_yardstick.py --models mini_llama3 --shrink 16 --seq 16
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info
