@@ -27,7 +27,7 @@ from actdesign.codegen.render import render_norms
 from actdesign.errors import ActdesignError
 
 from .cache import generated
-from .fake import any_fake, on_host, real_copy
+from .fake import any_fake, is_fake, on_host, real_copy
 from .quantized import _QuantizedInput
 from .sharing import offer_affine
 
@@ -98,7 +98,8 @@ class _MSNorm(nn.Module):
     def _channels_apart(self, ops, gamma, bias, out_dtype):
         """`channels_apart`, found again only when γ or β changed (it reads them on the host)."""
         key = (out_dtype, gamma.device if gamma is not None else bias.device) + tuple(
-            None if p is None else (p._version, p.data_ptr()) for p in (self.weight, self.bias))
+            None if p is None else (p._version, 0 if is_fake(p) else p.data_ptr())
+            for p in (self.weight, self.bias))
         if self._apart is None or self._apart[0] != key:
             self._apart = key, ops.channels_apart(gamma, bias, out_dtype)
         return self._apart[1]
