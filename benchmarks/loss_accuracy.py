@@ -67,8 +67,10 @@ def errors(got: dict, exact: dict):
     return loss, grads
 
 
-def head_case(loss: float, offset: float, tokens: int, d=64, vocab=4000):
-    """(exact, eager, fused) loss and gradients of a linear head, and the largest |logit|."""
+def head_problem(loss: float, offset: float, tokens: int, d=64, vocab=4000):
+    """float32 hidden states (tokens, d + 1) and head weight (vocab, d + 1) whose logits have
+    a float64 mean loss `loss`, and the labels; the last feature adds `offset` to every logit
+    (no change to the loss, but the log-sum-exp and the logits grow by it)."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, d, generator=g, dtype=torch.float64) / d**0.5
     labels = torch.randint(0, vocab, (tokens,), generator=g)
@@ -77,8 +79,14 @@ def head_case(loss: float, offset: float, tokens: int, d=64, vocab=4000):
     hidden = sign * weight[labels] + torch.randn(tokens, d, generator=g,
                                                  dtype=torch.float64) / (10 * d**0.5)
     a = fit_scale(lambda a: F.cross_entropy(a * hidden @ weight.T, labels).item(), loss)
-    hidden = torch.cat([a * hidden, torch.ones(tokens, 1, dtype=torch.float64)], 1).float()
-    weight = torch.cat([weight, torch.full((vocab, 1), offset, dtype=torch.float64)], 1).float()
+    hidden = torch.cat([a * hidden, torch.ones(tokens, 1, dtype=torch.float64)], 1)
+    weight = torch.cat([weight, torch.full((vocab, 1), offset, dtype=torch.float64)], 1)
+    return hidden.float(), weight.float(), labels
+
+
+def head_case(loss: float, offset: float, tokens: int, d=64, vocab=4000):
+    """(exact, eager, fused) loss and gradients of a linear head, and the largest |logit|."""
+    hidden, weight, labels = head_problem(loss, offset, tokens, d, vocab)
 
     def run(fn, h, w):
         h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)

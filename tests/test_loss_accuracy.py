@@ -11,7 +11,6 @@ the tens that is several times eager's error at a loss of 0.1 or less, and fails
 """
 
 import copy
-import math
 import sys
 from pathlib import Path
 
@@ -23,50 +22,12 @@ from actdesign.runtime.lm_loss import attach_fused_loss, fused_linear_cross_entr
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 from lms import architecture  # noqa: E402
+from loss_accuracy import fit_scale, head_problem, labels_for  # noqa: E402
 
 LOSSES = (10.0, 1.0, 0.1, 0.01)
 U = 2**-24  # float32's unit round-off
-
-
-def fit_scale(loss_of, target: float) -> float:
-    """The factor a of the logits at which the float64 loss_of(a) is `target`, by bisection
-    in log a (the loss is monotone in a for the labels chosen)."""
-    lo, hi = 1e-3, 1e3
-    rising = loss_of(hi) > loss_of(lo)
-    for _ in range(60):
-        mid = (lo * hi) ** 0.5
-        if (loss_of(mid) > target) == rising:
-            hi = mid
-        else:
-            lo = mid
-    return (lo * hi) ** 0.5
-
-
-def labels_for(logits, loss: float):
-    """Each row's most likely class (a loss below log V is reached by confidence), or a
-    random one (a loss above it by the target losing ever more)."""
-    if loss < math.log(logits.shape[-1]):
-        return logits.argmax(-1)
-    return torch.randint(0, logits.shape[-1], logits.shape[:-1],
-                         generator=torch.Generator().manual_seed(1))
-
-
-def head_problem(loss: float, offset: float, tokens=64, d=32, vocab=500):
-    """float32 hidden states (tokens, d + 1) and head weight (vocab, d + 1) whose logits have
-    a float64 mean loss `loss`; the last feature adds `offset` to every logit (no change to
-    the loss, but the log-sum-exp and the logits grow by it)."""
-    g = torch.Generator().manual_seed(0)
-    weight = torch.randn(vocab, d, generator=g, dtype=torch.float64) / d**0.5
-    labels = torch.randint(0, vocab, (tokens,), generator=g)
-    # toward the target's row (a margin that grows with the scale) or away from it
-    sign = 1.0 if loss < math.log(vocab) else -1.0
-    hidden = sign * weight[labels] + torch.randn(tokens, d, generator=g,
-                                                 dtype=torch.float64) / (10 * d**0.5)
-    a = fit_scale(lambda a: F.cross_entropy(a * hidden @ weight.T, labels).item(), loss)
-    hidden = torch.cat([a * hidden, torch.ones(tokens, 1, dtype=torch.float64)], 1)
-    weight = torch.cat([weight, torch.full((vocab, 1), offset, dtype=torch.float64)], 1)
-    return hidden.float(), weight.float(), labels
 
 
 def loss_and_grads(fn, hidden, weight):
@@ -92,7 +53,7 @@ def assert_within_twice_eager(fused, eager, exact):
 @pytest.mark.parametrize("loss", LOSSES)
 def test_fused_head_loss_is_as_accurate_as_eager(loss, offset, backend, monkeypatch):
     monkeypatch.setenv("ACTDESIGN_BACKEND", backend)  # triton: the CUDA kernels, interpreted
-    hidden, weight, labels = head_problem(loss, offset)
+    hidden, weight, labels = head_problem(loss, offset, tokens=64, d=32, vocab=500)
     exact = loss_and_grads(lambda h, w: F.cross_entropy(h @ w.T, labels),
                            hidden.double(), weight.double())
     assert exact["loss"].item() == pytest.approx(loss, rel=1e-3)  # the confidence asked for
