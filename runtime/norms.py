@@ -88,8 +88,9 @@ class _MSNorm(nn.Module):
 
         ops = norm_ops()
         affine = gamma is not None or bias is not None
-        apart = None
-        if ops.keeps_output(x.dtype, out_dtype, gamma, bias, self.round_input):
+        apart = None  # (under torch.compile, which keeps what it chooses, not needed)
+        if ops.keeps_output(x.dtype, out_dtype, gamma, bias, self.round_input) \
+                and not torch.compiler.is_compiling():
             apart = self._channels_apart(ops, gamma, bias, out_dtype)
         return ops.apply(self.kind, x, self.eps, out_dtype, gamma, bias,
                          on_output=offered if affine else None, round_input=self.round_input,
