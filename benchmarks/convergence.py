@@ -367,7 +367,7 @@ def mean_curve(curves: list) -> list:
 # --- noise floor ----------------------------------------------------------------------------
 
 NOISE = Config(d=64, layers=2, heads=4, seq=64, batch=16, steps=400, lr=3e-3, eval_every=400,
-               val_batches=16)  # 8 seeds of msnorm, llm and lora+llm in ~20 min on one core
+               val_batches=16)  # 8 seeds of msnorm, llm and lora+llm in ~25 min on one core
 NOISE_VARIANTS = ["msnorm", "llm", "lora+llm"]
 NOISE_SEEDS, QUICK_NOISE_SEEDS = 8, 3
 LORA_R, LORA_LR = 8, 1e-3

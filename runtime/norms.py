@@ -279,9 +279,8 @@ def _probe_values(norm, d, candidates, weight, bias):
         got = got.double()
         gammas = [(None, False)] if w is None else [(w.double(), False), (1 + w.double(), True)]
         for kind in ("rms", "layer"):
-            centred = x - x.mean(-1, keepdim=True) if kind == "layer" else x
             for eps in candidates:
-                xhat = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+                xhat = _normalized(x, kind, eps)
                 for gamma, unit_offset in gammas:
                     want = xhat if gamma is None else xhat * gamma
                     want = want if b is None else want + b.double()
@@ -295,6 +294,12 @@ def _probe_values(norm, d, candidates, weight, bias):
                                 got.float(), F.layer_norm(x.float(), (d,), w, b, eps)))
     raise ActdesignError("it computes neither a layer norm nor an RMS norm x̂·γ + β with γ its "
                          "weight, 1 + its weight or 1 and β its bias or 0 (checked on a probe)")
+
+
+def _normalized(x, kind, eps):
+    """x̂ of a layer or RMS norm over the last dimension, in x's dtype."""
+    centred = x - x.mean(-1, keepdim=True) if kind == "layer" else x
+    return centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
 
 
 def _rounds_input(norm, x, kind, eps, unit_offset) -> bool:
@@ -311,9 +316,7 @@ def _rounds_input(norm, x, kind, eps, unit_offset) -> bool:
                 p.copy_(offset + 0.01 * torch.randn(p.shape, generator=gen))
         xb = x.to(torch.bfloat16)
         got = probe(xb).float()
-        centred = xb.float() - xb.float().mean(-1, keepdim=True) if kind == "layer" else \
-            xb.float()
-        xhat = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+        xhat = _normalized(xb.float(), kind, eps)
         w, b = (getattr(probe, k, None) for k in ("weight", "bias"))
         gamma = 1.0 if w is None else w.float() + (1.0 if unit_offset else 0.0)
         beta = 0.0 if b is None else b.float()
