@@ -301,14 +301,30 @@ def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
                     kernels, rows)
 
 
+@contextlib.contextmanager
+def shapes_only(kernels: str = "cuda"):
+    """Fake tensors for a shape-only step, following `kernels`' allocations for our ops (see
+    `estimate`): build the model inside (`fake_model`) and run its step inside."""
+    with _ShapesOnly(kernels), _CpuKernels(), _unpacked_sequences():
+        yield
+
+
+def fake_model(name: str, config, precision: str = "fp32", lora=None):
+    """The model of a config on fake tensors, in training mode (call inside `shapes_only`):
+    in bfloat16 for precision bf16, with PEFT LoRA adapters when given `lora`, a rank (see
+    `_with_lora`) or a peft.LoraConfig."""
+    with _no_initialization(), _conversions_in_place():
+        model = models._from_config(name, config).train()
+        if precision == "bf16":
+            model.to(torch.bfloat16)
+        if lora is not None:
+            model = _with_lora(name, model, lora)
+    return model
+
+
 def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say) -> Row:
-    with _ShapesOnly(setup.kernels), _CpuKernels(), _unpacked_sequences():
-        with _no_initialization(), _conversions_in_place():
-            model = models._from_config(setup.name, setup.config).train()
-            if setup.precision == "bf16":
-                model.to(torch.bfloat16)
-            if setup.lora is not None:
-                model = _with_lora(setup.name, model, setup.lora)
+    with shapes_only(setup.kernels):
+        model = fake_model(setup.name, setup.config, setup.precision, setup.lora)
         if policy.rules:
             say(f"compressing with {policy.label}")
             compress(model, policy)
@@ -468,13 +484,15 @@ def _conversions_in_place():
         torch.nn.Module._apply = real
 
 
-def _with_lora(name, model, rank):
+def _with_lora(name, model, lora):
+    """PEFT LoRA adapters of rank `lora` on every Linear layer but the head (alpha 2 x rank,
+    no dropout), or as `lora` says, a peft.LoraConfig."""
     try:
         import peft
     except ImportError:
         raise ActdesignError("--lora needs PEFT: pip install peft") from None
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                             target_modules="all-linear")
+    config = lora if isinstance(lora, peft.LoraConfig) else peft.LoraConfig(
+        r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules="all-linear")
     try:
         return peft.get_peft_model(model, config)
     except ValueError as exc:
