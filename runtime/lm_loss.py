@@ -139,11 +139,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     torch.mm(dz, w, out=grad_hidden[a:b])
                 if grad_weight is not None and dz.dtype == grad_weight.dtype:
                     grad_weight.addmm_(dz.T, hidden)  # in place: no weight-sized product
-                elif grad_weight is not None:  # a 16-bit product, summed in float32 a slice
-                    # of the vocabulary at a time: none larger than the chunk's logits
-                    rows = max(1, dz.numel() // hidden.shape[1])
-                    for v in range(0, w.shape[0], rows):
-                        grad_weight[v:v + rows] += dz[:, v:v + rows].T @ hidden
+                elif grad_weight is not None:  # a 16-bit product summed in float32: it is
+                    # the size of the 16-bit weight copy eager's autocast keeps all step
+                    grad_weight.add_(dz.T @ hidden)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
