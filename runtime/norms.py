@@ -196,8 +196,8 @@ class _KeepingCodes(torch.autograd.Function):
         xhat = ctx.norm.restore(codes, ctx.shape, ctx.dtype)
         want = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         ops = norm_ops()
-        dx, sums = ops.backward_impl(ctx.norm.kind, xhat, rstd, grad_y.to(ctx.input_dtype),
-                                     gamma, want)
+        dx, sums = ops.backward_impl(ctx.norm.kind, xhat, rstd, grad_y, gamma, want,
+                                     ctx.input_dtype)
         return dx, *ops.param_grads(sums, ctx.param_dtypes, ctx.needs_input_grad[1:3]), None, None
 
 
