@@ -69,16 +69,16 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, out_dtype):
         ctx.save_for_backward(cos, sin)  # the model's own tensors, shared by every layer
-        ctx.dtypes = (q.dtype, k.dtype)
-        return tuple(rope_ops().rotate(t, cos, sin, out_dtype) for t in (q, k))
+        ctx.dtype = q.dtype  # k's too (`_kernel_runs`)
+        return rope_ops().rotate(q, k, cos, sin, out_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        return *(rope_ops().rotate(g.contiguous() if g.stride(-1) != 1 else g, cos, sin,
-                                   dtype, backward=True)
-                 for g, dtype in zip((dq, dk), ctx.dtypes, strict=True)), None, None, None
+        dq, dk = (g.contiguous() if g.stride(-1) != 1 else g for g in (dq, dk))
+        return (*rope_ops().rotate(dq, dk, cos, sin, ctx.dtype, backward=True), None, None,
+                None)
 
 
 def rotary(q, k, cos, sin, unsqueeze_dim=1):
@@ -118,6 +118,8 @@ def _replacement_for(original):
     signature = inspect.signature(_plain(original))
 
     def apply_rotary_pos_emb(*args, **kwargs):
+        if torch.compiler.is_compiling():  # the compiler fuses eager's ops itself
+            return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()  # the original's own default unsqueeze_dim
         a = bound.arguments

@@ -101,11 +101,14 @@ def glu_kernels(ops, dtype):
 def rope_kernels(ops, dtype):
     for backward in (False, True):
         yield f"rope backward={backward}", ASTSource(ops._rotary_kernel, {
-            "x_ptr": f"*{dtype}", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": f"*{dtype}",
-            **{k: "i32" for k in ("H", "T", "HALF", "sxb", "sxh", "sxt", "scb", "sct", "sob",
-                                  "soh", "sot")},
-            "BACKWARD": "constexpr", "HEADS": "constexpr", "COLS": "constexpr"},
-            constexprs={"BACKWARD": backward, "HEADS": 16, "COLS": 32})
+            "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+            "oq_ptr": f"*{dtype}", "ok_ptr": f"*{dtype}",
+            **{k: "i32" for k in ("HQ", "HK", "T", "HALF", "sqb", "sqh", "sqt", "skb", "skh",
+                                  "skt", "scb", "sct", "soqb", "soqh", "soqt", "sokb", "sokh",
+                                  "sokt")},
+            "BACKWARD": "constexpr", "HEADS_Q": "constexpr", "HEADS_K": "constexpr",
+            "COLS": "constexpr"},
+            constexprs={"BACKWARD": backward, "HEADS_Q": 16, "HEADS_K": 2, "COLS": 32})
 
 
 def loss_kernels(ops, dtype, aligned=False):
