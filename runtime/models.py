@@ -16,6 +16,7 @@ never run (`trust_remote_code` stays off).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -42,6 +43,15 @@ BUILTIN = {
                "num_key_value_heads": 12, "intermediate_size": 2048, "vocab_size": 32000}),
     "llama-tiny": ("LlamaConfig", "LlamaForCausalLM",
                    _TINY | {"num_key_value_heads": 2, "vocab_size": 512}),
+    "llama-1b": ("LlamaConfig", "LlamaForCausalLM",  # TinyLlama-1.1B's shape
+                 {"num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,
+                  "num_key_value_heads": 4, "intermediate_size": 5632, "vocab_size": 32000,
+                  "max_position_embeddings": 4096}),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
+                 "num_key_value_heads": 4, "intermediate_size": 2048, "vocab_size": 32000}),
+    "mistral-tiny": ("MistralConfig", "MistralForCausalLM",
+                     _TINY | {"num_key_value_heads": 2, "vocab_size": 512}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
                "num_key_value_heads": 2, "intermediate_size": 2048, "vocab_size": 151936,
@@ -78,17 +88,19 @@ def config_of(name: str):
                          f"package.module:function or file.py:function{hint}")
 
 
-def build(name: str, seed: int = 0, say=None):
+def build(name: str, seed: int = 0, say=None, device=None):
     """(model, make_batch or None) for a model name (see the module's docstring); a config
-    builds its architecture with random weights. `say(message)`, when given, hears when the
-    name is resolved and building starts."""
+    builds its architecture with random weights, on `device` when given (a billion weights
+    initialise far faster on a GPU). `say(message)`, when given, hears when the name is
+    resolved and building starts."""
     torch.manual_seed(seed)
     config = config_of(name)
     builder = load_callable(name, "model") if config is None else None
     if say is not None:
         say(f"building {name}")
     if config is not None:
-        return _from_config(name, config), None
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            return _from_config(name, config), None
     made = builder()
     if isinstance(made, tuple) and len(made) == 2 and callable(made[1]):
         model, make_batch = made
