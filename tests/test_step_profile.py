@@ -1,0 +1,87 @@
+"""The step profile (benchmarks/step_profile.py): kernel launches per training step, counted
+on fake tensors that take our ops' Triton paths, and the script's JSON contract."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import step_profile  # noqa: E402
+
+pytest.importorskip("transformers")
+
+SHAPE = (16, 1024)  # the issue's training shape, on the built-in configs (12 layers, d = 768)
+
+
+@pytest.fixture(scope="module")
+def counts():
+    memo = {}
+
+    def count(name, row):
+        if (name, row) not in memo:
+            memo[name, row] = step_profile.count_launches(step_profile.Setup(name, *SHAPE), row)
+        return memo[name, row]
+    return count
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_llm_launches_no_more_kernels_than_eager(counts, name):
+    """MS norms, the rotation and MS-GLU replace eager's chains of elementwise ops with a
+    kernel each way; the fused loss's chunks (7 launches each) and lean Linear's weight casts
+    in the backward are what they add."""
+    eager, llm = counts(name, "eager"), counts(name, "llm")
+    assert sum(llm.values()) <= sum(eager.values())
+    for family in ("norms", "rotation", "casts"):
+        assert llm[family] < eager[family], family
+
+
+def test_gpt2_launches_more_only_in_the_loss_and_the_norms(counts):
+    """GPT-2's `llm` replaces no chain of eager ops: its LayerNorm is one torch op each way
+    and its MLP is not gated. So it launches more than eager (the loss's chunks), and outside
+    the loss at most one more kernel per norm: the MS norm sums dγ and dβ over its row bands
+    in a second launch."""
+    eager, llm = counts("gpt2", "eager"), counts("gpt2", "llm")
+    norms = 2 * 12 + 1
+    outside = [f for f in step_profile.FAMILIES if f != "loss"]
+    assert sum(llm[f] for f in outside) <= sum(eager[f] for f in outside) + norms
+    assert llm["norms"] <= eager["norms"] + 2 * norms  # the reduction, and no cast
+
+
+def test_the_count_sees_triton_launches_and_skips_views(counts):
+    """Each Triton launch of our generated ops is counted in its family: the rotation's one
+    launch per layer and direction, beside the rotary embedding's own ops."""
+    llm = counts("llama", "llm")
+    assert 2 * 12 <= llm["rotation"] <= 2 * 12 + 8
+    tiny = step_profile.count_launches(step_profile.Setup("llama-tiny", 2, 8), "llm")
+    assert 2 * 2 <= tiny["rotation"] <= 2 * 2 + 8
+
+
+def test_the_script_writes_its_contract(tmp_path):
+    out = tmp_path / "profile.json"
+    step_profile.main(["--model", "llama-tiny", "--batch", "2", "--seq", "16", "--policy",
+                       "eager", "llm", "llm+checkpointing", "--repeats", "1",
+                       "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["eager", "llm", "llm+checkpointing"]
+    for r in rows:
+        assert set(r["families"]) == set(step_profile.FAMILIES)
+        assert r["launches"] == sum(f["launches"] for f in r["families"].values()) > 0
+        assert r["host_ms"] == pytest.approx(sum(f["host_ms"] for f in r["families"].values()))
+        assert r["host_ms"] > 0 and "device_ms" not in r
+    eager, llm, checkpointed = rows
+    assert llm["families"]["norms"]["launches"] < eager["families"]["norms"]["launches"]
+    # the recompute runs the blocks' forward again in the backward
+    assert checkpointed["launches"] > llm["launches"]
+
+
+def test_the_families_of_a_real_step_add_up_to_its_host_time():
+    """On the CPU the profiled step's self times, by family, cover every op; the optimizer's
+    are its own family."""
+    timed = step_profile.time_step(step_profile.Setup("llama-tiny", 2, 16), "llm", "cpu", 1)
+    fam = timed["families"]
+    assert fam["optimizer"]["host_ms"] > 0 and fam["norms"]["host_ms"] > 0
+    assert fam["loss"]["host_ms"] > 0 and fam["attention"]["host_ms"] > 0
+    assert torch.isfinite(torch.tensor(timed["loss"]))
