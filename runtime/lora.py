@@ -12,10 +12,12 @@ noise), a 16-bit cast of it under autocast, and A's output. The lean forward kee
   torch.utils.checkpoint replays dropout): 16 bytes on CUDA, 5 KB on the CPU, for the whole
   layer, where 1 bit per element would be d/8 bytes per token, several times what `a` takes.
 
-The backward replays the adapter's forward ops on the rebuilt x under the same autocast
-state and generator state, and lets autograd differentiate them: the same ops, the same
-roundings, the same mask, so the gradients are eager PEFT's. The replay costs A's and B's
-products again, r/d_out of the base layer's.
+B's product is a lean Linear product of a (it keeps a and B's own weight). A's half is one
+autograd Function whose backward runs autograd's own formulas for PEFT's ops, op for op (the
+products in the same operand order, the casts back, the dropout's backward), on x rebuilt
+and dropped again under the forward's generator state: the same roundings and the same mask,
+so the gradients are eager PEFT's. The replay costs a cast and the dropout again, and no
+product, no nested autograd.
 
 The lean forward is set on the layer instance, which stays PEFT's own class: merging,
 saving, `disable_adapter()` and adapter switching work as before. Whenever the layer is not
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .accounting import hooked
-from .compressed import LeanLinear
+from .compressed import LeanLinear, compressed_call
 from .edits import Edit
 from .sharing import keep, restore
 from .targets import is_hf_conv1d
@@ -66,11 +68,16 @@ class LeanLoRA:
         if not p and torch.is_autocast_enabled(device) \
                 and torch.get_autocast_dtype(device) == x.dtype:
             cast = None  # A's product casts x back: a round trip through float32, a no-op
-        path = _AdapterPath.apply(x, a.weight, b.weight, b.bias, layer.scaling[adapter],
-                                  cast, float(p), self.keeper)
+        h = _AdapterInput.apply(x, a.weight, cast, float(p), self.keeper)
+        # B's product is a plain lean product of h: it keeps h and its own weight
+        path = compressed_call(_PLAIN, h, b.weight, b.bias) * layer.scaling[adapter]
         if quantized:
             return result + (path.to(result.dtype) if converts else path)
         return (result + path).to(result.dtype)  # as PEFT adds and casts
+
+
+# B's product: a lean Linear's math on the adapter's own B weight (not a module PEFT holds)
+_PLAIN = LeanLinear(1, 1, bias=False, device="meta")
 
 
 def _plain(layer) -> str | None:
@@ -120,71 +127,78 @@ def _replayed_rng(device, state):
         yield
 
 
-def _a_half(x, a_weight, cast, p):
-    """A(drop(x)) as PEFT computes it: x cast to the adapter's dtype, dropped, A applied."""
-    if cast is not None and x.dtype != cast:
-        x = x.to(cast)
-    return F.linear(F.dropout(x, p, True) if p else x, a_weight)
+def _dropout(x, p):
+    """(F.dropout(x, p, True), what its backward reads), by the op torch itself runs for it:
+    the fused kernel on the devices it takes (its mask), else the composite (its noise)."""
+    if x.device.type in _FUSED_DROPOUT and x.numel():
+        return torch.native_dropout(x, p, True)
+    noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+    return x * noise, noise
 
 
-def _b_half(a, b_weight, b_bias, scaling):
-    return F.linear(a, b_weight, b_bias) * scaling
+_FUSED_DROPOUT = ("cuda", "xpu", "lazy", "privateuseone")  # torch's is_fused_kernel_acceptable
 
 
-class _AdapterPath(torch.autograd.Function):
-    """s·B(A(drop(x))), keeping a = A(drop(x)), what `keeper` keeps of x, and the generator
-    state; the backward replays both halves under autograd."""
+def _dropout_backward(grad, kept, p):
+    """The gradient through `_dropout`, as autograd computes it."""
+    if kept.dtype == torch.bool:
+        return torch.ops.aten.native_dropout_backward(grad, kept, 1.0 / (1.0 - p))
+    return grad * kept
+
+
+class _AdapterInput(torch.autograd.Function):
+    """h = A(drop(x)) as PEFT computes it (x cast to the adapter's dtype first, the product
+    under the caller's autocast), keeping what `keeper` keeps of x and the generator's state.
+    Its backward is autograd's own formulas for those ops, op for op: the same products in
+    the same operand order, the casts back, the dropout's backward on its replayed mask."""
 
     @staticmethod
-    def forward(ctx, x, a_weight, b_weight, b_bias, scaling, cast, p, keeper):
+    def forward(ctx, x, weight, cast, p, keeper):
         device = x.device
         ctx.rng = _rng_state(device) if p else None
-        a = _a_half(x, a_weight, cast, p)  # under the caller's autocast, as PEFT runs
-        out = _b_half(a, b_weight, b_bias, scaling)
+        xc = x.to(cast) if cast is not None and x.dtype != cast else x
+        xd = _dropout(xc, p)[0] if p else xc
+        h = F.linear(xd, weight)  # under the caller's autocast, as PEFT runs
         saved, ctx.how = (), None
         if ctx.needs_input_grad[1]:  # A's gradient reads x
             saved, ctx.how = keep(x, keeper)
-        ctx.save_for_backward(a, a_weight, b_weight, b_bias, *saved)
-        ctx.keeper, ctx.shape, ctx.dtype = keeper, x.shape, x.dtype
-        ctx.stride, ctx.device = x.stride(), device
-        ctx.scaling, ctx.cast, ctx.p = scaling, cast, p
-        ctx.autocast = torch.is_autocast_enabled(device.type), \
-            torch.get_autocast_dtype(device.type)
-        return out
+        ctx.save_for_backward(weight, *saved)
+        ctx.keeper, ctx.shape, ctx.dtype, ctx.stride = keeper, x.shape, x.dtype, x.stride()
+        ctx.cast, ctx.p, ctx.device = xc.dtype, p, device
+        ctx.product = h.dtype  # the product's dtype: autocast's, or the inputs'
+        return h
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        a, a_weight, b_weight, b_bias, *saved = ctx.saved_tensors
-        wants = ctx.needs_input_grad
-        grads = [None] * 8
-        enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(ctx.device.type, dtype, enabled=enabled):
-            leaves = [_leaf(a, True), _leaf(b_weight, wants[2]), _leaf(b_bias, wants[3])]
-            out = _b_half(*leaves, ctx.scaling)
-            found = _grad(out, leaves, grad)
-            grads[2:4] = found[1:]
-            if wants[0] or wants[1]:
-                x = None  # dx reads the mask only: zeros stand in for x
-                if wants[1]:
-                    x = restore(saved, ctx.how, ctx.keeper, ctx.shape, ctx.dtype)
-                if x is None or x.stride() != ctx.stride:
-                    # x's own layout: the generator fills the mask in memory order
-                    x = torch.empty_strided(ctx.shape, ctx.stride, dtype=ctx.dtype,
-                                            device=ctx.device).copy_(0 if x is None else x)
-                leaves = [_leaf(x, wants[0]), _leaf(a_weight, wants[1])]
-                with _replayed_rng(ctx.device, ctx.rng) if ctx.p else contextlib.nullcontext():
-                    a_again = _a_half(*leaves, ctx.cast, ctx.p)
-                grads[0:2] = _grad(a_again, leaves, found[0])
-        return tuple(grads)
+        weight, *saved = ctx.saved_tensors
+        wants_x, wants_w = ctx.needs_input_grad[:2]
+        grad_x = grad_w = None
+        with torch.autocast(ctx.device.type, enabled=False):
+            w = weight.to(ctx.product)
+            g2 = grad.reshape(-1, grad.shape[-1])
+            xd, kept = _replay(ctx, saved, rebuild_x=wants_w) if wants_w or ctx.p \
+                else (None, None)
+            if wants_w:  # mm's backward for its second operand, weight.t(), column-major
+                grad_w = g2.t().mm(xd.to(ctx.product).reshape(-1, w.shape[1])).to(weight.dtype)
+            if wants_x:
+                grad_x = g2.mm(w).view(*ctx.shape[:-1], w.shape[1]).to(ctx.cast)
+                if ctx.p:
+                    grad_x = _dropout_backward(grad_x, kept, ctx.p)
+                grad_x = grad_x.to(ctx.dtype)
+        return grad_x, grad_w, None, None, None
 
 
-def _leaf(t, wanted):
-    return None if t is None else t.detach().requires_grad_(bool(wanted))
-
-
-def _grad(out, leaves, grad):
-    """d out / d leaf for the leaves that want it (None for the others)."""
-    want = [t for t in leaves if t is not None and t.requires_grad]
-    got = iter(torch.autograd.grad(out, want, grad) if want else ())
-    return [next(got) if t is not None and t.requires_grad else None for t in leaves]
+def _replay(ctx, saved, rebuild_x):
+    """(drop(x), the dropout's mask or noise) again: x rebuilt from what was kept (zeros
+    stand in for it where only the mask is wanted), in x's own layout (the generator fills
+    the mask in memory order), under the generator state of the forward."""
+    x = restore(saved, ctx.how, ctx.keeper, ctx.shape, ctx.dtype) if rebuild_x else None
+    if x is None or x.stride() != ctx.stride:
+        x = torch.empty_strided(ctx.shape, ctx.stride, dtype=ctx.dtype,
+                                device=ctx.device).copy_(0 if x is None else x)
+    xc = x.to(ctx.cast)
+    if not ctx.p:
+        return xc, None
+    with _replayed_rng(ctx.device, ctx.rng):
+        return _dropout(xc, ctx.p)
