@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_memory import LLAMA_1B  # noqa: E402
 
 from actdesign.runtime import compress, models, planner  # noqa: E402
 
@@ -33,13 +32,7 @@ estimate = importlib.import_module("actdesign.runtime.estimate")
 
 
 def build(name, device):
-    if name == "llama-1b":
-        import transformers
-
-        torch.manual_seed(0)
-        with torch.device(device):
-            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B)).train()
-    return models.build(name, seed=0)[0].to(device).train()
+    return models.build(name, seed=0, device=device)[0].to(device).train()
 
 
 def run(model, policy, inputs, device, repeats):

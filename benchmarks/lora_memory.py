@@ -16,15 +16,16 @@ model's own loss, backward and AdamW on the adapters. Columns:
 - saved: the bytes autograd keeps for the backward, and their ratio to PEFT's;
 - vs no LoRA: saved bytes against the same setup on the same model without adapters (all
   weights trainable): what the adapters' path adds (`--skip-full` leaves it out);
-- step time (median of `--repeats` after a warm-up) and the last loss;
-- held before: CUDA memory still allocated when the row starts, after a garbage collection
-  (earlier rows' leftovers; the peak includes them).
+- step time (median of `--repeats` after a warm-up) and the last loss.
+Every row runs in a process of its own: nothing an earlier row allocated (models, optimizer
+state, the allocator's cache) is held when the next one peaks.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -43,23 +44,13 @@ ROWS = ["peft", "peft+checkpointing", "llm", "llm+checkpointing", "llm+fewbit3",
         "llm+fewbit3+checkpointing", "llm+actnn2", "llm+actnn2+checkpointing", "liger",
         "unsloth"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# A 1B-class LLaMA (TinyLlama-1.1B's shape), for the GPU goal.
-LLAMA_1B = {"num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,
-            "num_key_value_heads": 4, "intermediate_size": 5632, "vocab_size": 32000,
-            "max_position_embeddings": 4096}
 
 
 def base_model(name: str, weights: torch.dtype, device: str, four_bit: bool = False):
     """The model, or with `four_bit` QLoRA's: loaded in 4 bits (NF4, bf16 compute) by
     bitsandbytes from the same weights saved to a temporary folder, prepared by PEFT."""
-    if name == "llama-1b":
-        import transformers
-
-        torch.manual_seed(0)
-        with torch.device(device):  # built where it runs: a CPU init of 1.1B weights is slow
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B))
-    else:
-        model, _ = models.build(name, seed=0)
+    # built where it runs: a CPU initialisation of a billion weights is slow
+    model, _ = models.build(name, seed=0, device=device)
     model = model.to(device, weights).train()
     if not four_bit:
         return model
@@ -145,10 +136,47 @@ def saved_bytes(model, inputs, device):
     return saved.total
 
 
+def run_row(args, setup, dropout) -> dict | None:
+    """One row's figures, measured in this process; None where the row does not run here."""
+    name, seq = args.model, args.seq
+    weights = torch.bfloat16 if args.weights == "bf16" else torch.float32
+    emulate = emulate_bf16_matmuls(args.device, "bf16-autocast")
+    model = build(name, setup, args.device, weights, dropout, args.rank, four_bit=args.four_bit)
+    if model is None:
+        return None
+    inputs = models.example_batch(model, args.batch, seq)
+    saved = saved_bytes(model, inputs, args.device)
+    peak, seconds, loss = measure(model, inputs, args.device, "bf16-autocast", args.repeats,
+                                  emulate)
+    del model
+    full = None if args.skip_full else build(name, setup, args.device, weights, dropout,
+                                             args.rank, adapters=False,
+                                             four_bit=args.four_bit)
+    alone = None if full is None else saved_bytes(full, inputs, args.device)
+    return {"peak": peak, "saved": saved, "saved_without_lora": alone, "seconds": seconds,
+            "loss": loss}
+
+
+_ROW = "lora_memory row: "  # how a row's process hands its figures back
+
+
+def in_fresh_process(setup, dropout) -> dict | None:
+    """A row measured in a process of its own, so that no row's memory (models, optimizer
+    state, the allocator's cache) reaches the next one's peak."""
+    argv = [a for a in sys.argv[1:] if a != "--markdown"]
+    done = subprocess.run([sys.executable, __file__, *argv, "--row", setup, "--dropout",
+                           str(dropout)], stdout=subprocess.PIPE, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_ROW)]
+    if done.returncode or not lines:
+        print(f"{setup}: its process failed (exit {done.returncode})")
+        return None
+    return json.loads(lines[-1].removeprefix(_ROW))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--model", default=None, help="a built-in, or llama-1b")
+    parser.add_argument("--model", default=None, help="a built-in, such as llama-1b")
     parser.add_argument("--rows", nargs="+", default=ROWS)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=None)
@@ -162,50 +190,40 @@ def main():
                         help="QLoRA: the base loaded in 4 bits by bitsandbytes")
     parser.add_argument("--skip-full", action="store_true",
                         help="leave out the 'vs no LoRA' column (a second model per row)")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # one row, in this process
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames
-    name = args.model or ("llama-tiny" if args.quick else "llama")
-    seq = args.seq or (64 if args.quick else 1024)
-    weights = torch.bfloat16 if args.weights == "bf16" else torch.float32
-    emulate = emulate_bf16_matmuls(args.device, "bf16-autocast")
+    args.model = args.model or ("llama-tiny" if args.quick else "llama")
+    args.seq = args.seq or (64 if args.quick else 1024)
+    if args.row:
+        print(_ROW + json.dumps(run_row(args, args.row, args.dropout[0])), flush=True)
+        return
     cuda = args.device.startswith("cuda")
+    emulate = emulate_bf16_matmuls(args.device, "bf16-autocast")
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
     weights_are = "4-bit NF4" if args.four_bit else args.weights
-    print(f"{where}, {name}, {weights_are} weights under bf16 autocast, LoRA r={args.rank} on "
-          f"{len(TARGETS)} projections, batch {args.batch} x {seq} tokens, torch "
-          f"{torch.__version__}; peak: " + ("CUDA allocator" if cuda else
-                                            "saved for backward + largest temporary")
+    print(f"{where}, {args.model}, {weights_are} weights under bf16 autocast, LoRA "
+          f"r={args.rank} on {len(TARGETS)} projections, batch {args.batch} x {args.seq} "
+          f"tokens, torch {torch.__version__}; every row in a fresh process; peak: "
+          + ("CUDA allocator" if cuda else "saved for backward + largest temporary")
           + ("; bf16 matmuls via float32 kernels" if emulate else ""), flush=True)
     for dropout in args.dropout:
         print(f"\nlora_dropout {dropout}")
         row = table(["setup", "peak MiB", "peak ratio", "saved MiB", "saved ratio",
-                     "vs no LoRA", "step ms", "time ratio", "last loss", "held before MiB"],
+                     "vs no LoRA", "step ms", "time ratio", "last loss"],
                     args.markdown, width=11, first=26)
         base = None
         for setup in args.rows:
-            gc.collect()  # the last row's model and graph, in reference cycles or not
-            held = torch.cuda.memory_allocated() if cuda else 0  # should stay near 0
-            model = build(name, setup, args.device, weights, dropout, args.rank,
-                          four_bit=args.four_bit)
-            if model is None:
+            r = in_fresh_process(setup, dropout)
+            if r is None:
                 continue
-            inputs = models.example_batch(model, args.batch, seq)
-            saved = saved_bytes(model, inputs, args.device)
-            peak, seconds, loss = measure(model, inputs, args.device, "bf16-autocast",
-                                          args.repeats, emulate)
-            del model
-            full = None if args.skip_full else build(name, setup, args.device, weights,
-                                                     dropout, args.rank, adapters=False,
-                                                     four_bit=args.four_bit)
-            alone = "" if full is None else f"{saved / saved_bytes(full, inputs, args.device):.3f}"
-            del full
-            base = base or (peak, saved, seconds)
-            row([setup, f"{peak / 2**20:,.1f}", f"{peak / base[0]:.3f}",
-                 f"{saved / 2**20:,.1f}", f"{saved / base[1]:.3f}", alone,
-                 f"{seconds * 1e3:,.1f}", f"{seconds / base[2]:.2f}", f"{loss:.4f}",
-                 f"{held / 2**20:,.1f}"])
-            if cuda:
-                torch.cuda.empty_cache()
+            base = base or r
+            alone = "" if r["saved_without_lora"] is None \
+                else f"{r['saved'] / r['saved_without_lora']:.3f}"
+            row([setup, f"{r['peak'] / 2**20:,.1f}", f"{r['peak'] / base['peak']:.3f}",
+                 f"{r['saved'] / 2**20:,.1f}", f"{r['saved'] / base['saved']:.3f}", alone,
+                 f"{r['seconds'] * 1e3:,.1f}", f"{r['seconds'] / base['seconds']:.2f}",
+                 f"{r['loss']:.4f}"])
 
 
 if __name__ == "__main__":
