@@ -471,7 +471,8 @@ def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
 @click.option("--max-slowdown", type=click.FloatRange(1), default=1.10, show_default=True,
               help="The step time allowed, against the lossless policy's (modelled).")
 @click.option("--device", "device_name", default="h200", show_default=True,
-              help="The GPU whose FLOP rate and bandwidth model the time: "
+              help="The GPU whose costs give the time (measured on it where the repository "
+                   "holds its measurements, else its peak FLOP rate and bandwidth): "
                    "h100, h200, a100, l40s or rtx4090.")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), required=True,
               help="Write the planned policy here (compress and estimate accept it).")
@@ -488,15 +489,15 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
     import json
 
     from .files import write_atomic
+    from .runtime import cards, planner
     from .runtime import models as model_mod
-    from .runtime import planner
     from .runtime.policy import save
 
     _check_out(out, "policy", force)
     for path, kind in ((json_out, "json"), (plot, "plot")):
         _check_out(path, kind, force)
-    if device_name not in planner.DEVICES:
-        raise ActdesignError(f"--device must be one of {', '.join(planner.DEVICES)}, "
+    if device_name not in cards.NAMES:
+        raise ActdesignError(f"--device must be one of {', '.join(cards.NAMES)}, "
                              f"got {device_name!r}")
 
     def say(message):

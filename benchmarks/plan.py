@@ -36,7 +36,7 @@ from measure import table  # noqa: E402
 
 from actdesign.designer import plan as solver  # noqa: E402
 from actdesign.errors import ActdesignError  # noqa: E402
-from actdesign.runtime import compress, models, planner  # noqa: E402
+from actdesign.runtime import cards, compress, models, planner  # noqa: E402
 from actdesign.runtime.estimate import step  # noqa: E402
 
 MODELS = ["llama-tiny", "qwen2-tiny", "gpt2-tiny"]
@@ -224,7 +224,7 @@ def main():
     for name in names:
         model, batches, example = setup(name)
         clock = planner.Clock(None)
-        costs = planner.measure_costs(model, batches, example, PRECISION, DEVICE,
+        costs = planner.measure_costs(model, batches, example, PRECISION, cards.card(DEVICE),
                                       KERNELS["value"],
                                       "4 random-token batches of 2 x 64", clock)
         costs_report(name, costs, clock.marks, args.markdown)

@@ -25,10 +25,12 @@ Each site's options are priced three ways:
   them), and how far differs from class to class. Errors of different sites add (unbiased
   or independent errors: their cross terms vanish in expectation). An option that saves
   no bytes at the target shape (its input is kept anyway) is not offered, nor measured.
-- time: modelled from a named device's peak FLOP rate and memory bandwidth: a recomputed
-  block costs its forward's FLOPs (a third of its step's), a lossy option the bytes it
-  moves (reading the input and writing its codes, then reading the codes and writing the
-  input back).
+- time: from the named card's costs (`cards`): measured on the card where the repository
+  holds its measurements (a step's FLOPs at the measured step rate, a lossy option its
+  measured time per byte of input), else the roofline of its peak FLOP rate and bandwidth.
+  A recomputed block costs its forward's FLOPs (a third of its step's), a lossy option the
+  time its kernels add (roofline: the bytes they move, reading the input and writing its
+  codes, then reading the codes and writing the input back).
 The choice is designer.plan's exact solver.
 """
 
@@ -46,7 +48,7 @@ from actdesign.designer import plan as solver
 from actdesign.errors import ActdesignError
 
 from . import batches as batch_forms
-from . import models
+from . import cards, models
 from . import policy as policy_mod
 from .compress import compress, match
 from .sharing import whole
@@ -60,9 +62,6 @@ OPTIONS = {
     + [("backrazor", {"ratio": r}) for r in (0.5, 0.9)],
 }
 OPTIONS["conv2d"] = OPTIONS["linear"] + [("pooled", {"pool": 2})]
-# name -> (peak dense bf16 FLOP/s, memory bandwidth in bytes/s), from the vendors' sheets
-DEVICES = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12), "a100": (312e12, 2.0e12),
-           "l40s": (362e12, 0.864e12), "rtx4090": (165e12, 1.008e12)}
 
 
 def option_label(method: str, options: dict) -> str:
@@ -90,7 +89,7 @@ class Costs:
     lossless_saved: int
     passes: dict[str, int]  # site kind -> calibration passes per batch (the reference's aside)
     calibration: str  # what the errors were measured on
-    device: str
+    card: cards.Card  # what time costs
     reference: Reference  # prices other policies' errors
 
 
@@ -127,7 +126,7 @@ class MemoryPlan:
                 "base_time_s": self.costs.problem.base_time,
                 "baseline_saved_bytes": self.costs.baseline_saved,
                 "baseline_peak_bytes": self.costs.baseline_peak,
-                "time_model": f"modelled from {self.costs.device}'s peak FLOP rate and bandwidth",
+                "time_model": self.costs.card.describe(),
                 "calibration": self.costs.calibration,
                 "calibration_passes_per_batch": self.costs.passes,
                 "seconds": self.timings,
@@ -143,7 +142,7 @@ class MemoryPlan:
         lines.append(f"planned: peak {self.peak_bytes:,} bytes (budget {self.budget:,}), saved "
                      f"{self.saved_bytes:,} (uncompressed {self.costs.baseline_saved:,}), "
                      f"gradient error {self.solution.error:.3g}, time "
-                     f"{self.solution.time / base:.3f}x (modelled, {self.costs.device})")
+                     f"{self.solution.time / base:.3f}x ({self.costs.card.describe()})")
         lines.append(f"errors measured on {self.costs.calibration}")
         return "\n".join(lines)
 
@@ -160,8 +159,7 @@ def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="b
     labels computes its own loss). The model is not changed."""
     from .estimate import parse_size
 
-    if device not in DEVICES:
-        raise ActdesignError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    card = cards.card(device)
     if not (isinstance(max_slowdown, int | float) and max_slowdown >= 1):
         raise ActdesignError(f"max_slowdown must be a number >= 1, got {max_slowdown!r}")
     batches = list(batch_forms.iterate(batches))
@@ -169,7 +167,7 @@ def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="b
         raise ActdesignError("plan needs at least one calibration batch")
     example = batches[0] if example_inputs is None else example_inputs
     clock = Clock(progress)
-    costs = measure_costs(model, batches, example, precision, device, kernels, calibration,
+    costs = measure_costs(model, batches, example, precision, card, kernels, calibration,
                           clock)
     limit = _budget_bytes(budget, costs.baseline_saved, parse_size)
     return solve_verified(model, example, costs, limit, max_slowdown, precision, kernels,
@@ -312,9 +310,8 @@ def checkpoint_rules(blocks) -> list[dict]:
 
 # --- costs -------------------------------------------------------------------------------
 
-def measure_costs(model, batches, example, precision, device, kernels, calibration,
+def measure_costs(model, batches, example, precision, card, kernels, calibration,
                   clock) -> Costs:
-    flops_rate, bandwidth = DEVICES[device]
     sites = find_sites(model, batches[0])
     blocks = blocks_of(model)
     classes: dict[str, list[Site]] = {}
@@ -356,7 +353,8 @@ def measure_costs(model, batches, example, precision, device, kernels, calibrati
         options = [solver.Option("keep", keep, 0.0, 0.0)]
         for label in labels:
             n = keep + delta[s, label]
-            options.append(solver.Option(label, n, errors[s, label], 2 * (keep + n) / bandwidth))
+            options.append(solver.Option(label, n, errors[s, label],
+                                         card.option_time(label, keep, n)))
         problem_sites.append(solver.Site(s.name, tuple(options), block_index.get(s.block)))
         if s.block is None:
             outside -= keep
@@ -367,14 +365,14 @@ def measure_costs(model, batches, example, precision, device, kernels, calibrati
     # block recomputed held then beyond its saved bytes (a block whose backward is not one
     # window takes the solver's bound)
     problem_blocks = [solver.Block(b, recomputed.block_bytes(b), inner[b],
-                                   lossless.flops_of(b) / 3 / flops_rate
-                                   + lossless.block_bytes(b) / bandwidth,
+                                   card.recompute_time(lossless.flops_of(b) / 3,
+                                                       lossless.block_bytes(b)),
                                    recomputed.held_bytes(b)) for b in blocks]
-    base_time = lossless.flops / flops_rate + 2 * lossless.saved.total / bandwidth
+    base_time = card.step_time(lossless.flops, lossless.saved.total)
     problem = solver.Problem(tuple(problem_sites), tuple(problem_blocks), outside,
                              lossless.peak - lossless.saved.total, base_time)
     return Costs(sites, blocks, problem, baseline.saved.total, baseline.peak,
-                 lossless.saved.total, passes, calibration, device, reference)
+                 lossless.saved.total, passes, calibration, card, reference)
 
 
 def _within(step, block, members) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from actdesign.runtime import compress, models, planner
+from actdesign.runtime import cards, compress, models, planner
 from actdesign.runtime import policy as policy_mod
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -54,8 +54,8 @@ def setup(name):
 def planned(request):
     """(model, example, costs) of one model: the costs measured once."""
     model, batches, example = setup(request.param)
-    costs = planner.measure_costs(model, batches, example, PRECISION, "h200", KERNELS, "test",
-                                  planner.Clock(None))
+    costs = planner.measure_costs(model, batches, example, PRECISION, cards.card("h200"),
+                                  KERNELS, "test", planner.Clock(None))
     return request.param, model, example, costs
 
 
