@@ -1,4 +1,5 @@
-"""Rotary embedding without float32 temporaries under autocast.
+"""Rotary embedding in one kernel each way: no float32 temporaries under autocast, and one
+launch where eager's rotation of q and k launches about twenty.
 
 Where the memory goes. In eager transformers, `apply_rotary_pos_emb(q, k, cos, sin)` computes
 q·cos + rotate_half(q)·sin. Autograd keeps only cos and sin (they need no gradient), so no
@@ -9,9 +10,12 @@ casts the sum to bf16 (2 more); the backward makes the same in reverse. Per laye
 up to 12 bytes per element of q and k alive at once (the two float32 products and their
 sum); in the backward they add to everything the later layers still keep.
 
-`rotary(q, k, cos, sin)`, on CUDA, computes both in one kernel per tensor: float32 math in
-registers, the result written once, in the autocast dtype (what attention casts it to, so the
-values attention sees are eager's, bit for bit). The backward is its adjoint, from cos and sin:
+`rotary(q, k, cos, sin)`, on CUDA, computes both in one kernel launch, math in registers,
+the result written once: under autocast with float32 cos and sin, in the autocast dtype (what
+attention casts eager's float32 result to, so the values attention sees are eager's, bit for
+bit); with cos and sin in q's own dtype (16-bit weights, or float32 without autocast), in
+that dtype, each product and sum rounded as eager's ops round them. The backward is its
+adjoint, from cos and sin:
 
     dq = g·cos + rotate_halfᵀ(g·sin),   rotate_halfᵀ([a, b]) = [b, -a]
 
@@ -90,19 +94,25 @@ def rotary(q, k, cos, sin, unsqueeze_dim=1):
 
 
 def _kernels(q, k, cos, sin):
-    """(q, k) rotated by the kernels, written in the autocast dtype."""
-    return _Rotary.apply(q, k, cos, sin, torch.get_autocast_dtype(q.device.type))
+    """(q, k) rotated by the kernels, in the dtype eager's result reaches attention in: the
+    autocast dtype for float32 cos and sin under autocast, else q's."""
+    device = q.device.type
+    widened = cos.dtype == torch.float32 != q.dtype and torch.is_autocast_enabled(device)
+    return _Rotary.apply(q, k, cos, sin,
+                         torch.get_autocast_dtype(device) if widened else q.dtype)
 
 
 def _kernel_runs(q, k, cos, sin, unsqueeze_dim) -> bool:
-    """Whether the kernels take this call: CUDA under autocast, float32 cos and sin spanning
-    q's and k's whole head, shapes the kernel fits; eager, not compiling."""
+    """Whether the kernels take this call: CUDA, cos and sin spanning q's and k's whole
+    head, float32 under autocast or q's own dtype, shapes the kernel fits; eager, not
+    compiling."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
         return False
     device = q.device.type
-    if torch.compiler.is_compiling() or unsqueeze_dim != 1 \
-            or not torch.is_autocast_enabled(device) \
-            or not (q.dtype == k.dtype and cos.dtype == sin.dtype == torch.float32
+    same = q.dtype == cos.dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    widened = cos.dtype == torch.float32 and torch.is_autocast_enabled(device)
+    if torch.compiler.is_compiling() or unsqueeze_dim != 1 or not (same or widened) \
+            or not (q.dtype == k.dtype and cos.dtype == sin.dtype
                     and cos.shape == sin.shape
                     and q.shape[-1] == k.shape[-1] == cos.shape[-1]):
         return False

@@ -99,16 +99,21 @@ def glu_kernels(ops, dtype):
 
 
 def rope_kernels(ops, dtype):
-    for backward in (False, True):
-        yield f"rope backward={backward}", ASTSource(ops._rotary_kernel, {
-            "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-            "oq_ptr": f"*{dtype}", "ok_ptr": f"*{dtype}",
-            **{k: "i32" for k in ("HQ", "HK", "T", "HALF", "sqb", "sqh", "sqt", "skb", "skh",
-                                  "skt", "scb", "sct", "soqb", "soqh", "soqt", "sokb", "sokh",
-                                  "sokt")},
-            "BACKWARD": "constexpr", "HEADS_Q": "constexpr", "HEADS_K": "constexpr",
-            "COLS": "constexpr"},
-            constexprs={"BACKWARD": backward, "HEADS_Q": 16, "HEADS_K": 2, "COLS": 32})
+    """Forward and backward, with float32 cos and sin (autocast over float32 weights) and,
+    for a 16-bit dtype, with cos and sin in it (each step rounded to it)."""
+    for steps in (False, True) if dtype != "fp32" else (False,):
+        angles = dtype if steps else "fp32"
+        for backward in (False, True):
+            yield f"rope backward={backward} steps={steps}", ASTSource(ops._rotary_kernel, {
+                "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "cos_ptr": f"*{angles}",
+                "sin_ptr": f"*{angles}", "oq_ptr": f"*{dtype}", "ok_ptr": f"*{dtype}",
+                **{k: "i32" for k in ("HQ", "HK", "T", "HALF", "sqb", "sqh", "sqt", "skb",
+                                      "skh", "skt", "scb", "sct", "soqb", "soqh", "soqt",
+                                      "sokb", "sokh", "sokt")},
+                "BACKWARD": "constexpr", "ROUND_STEPS": "constexpr", "HEADS_Q": "constexpr",
+                "HEADS_K": "constexpr", "COLS": "constexpr"},
+                constexprs={"BACKWARD": backward, "ROUND_STEPS": steps, "HEADS_Q": 16,
+                            "HEADS_K": 2, "COLS": 32})
 
 
 def loss_kernels(ops, dtype, aligned=False):
@@ -135,6 +140,21 @@ def check_loss_vectors(ops):
         print(f"{name} bf16 aligned sm_90: vectors: ok", flush=True)
 
 
+def assert_no_contraction(ptx, name):
+    """No product fused into a sum: no float32 FMA; a 16-bit one only as sm_80 computes one
+    16-bit op exactly rounded: a product, a·b + (-0), or a sum, a·(±1) + c (eager's 16-bit
+    ops round a float32 result once more, which for +, - and × is the same: float32 carries
+    more than twice a 16-bit significand and two bits)."""
+    assert "fma.rn.f32" not in ptx, name
+    constants = dict(re.findall(r"mov\.b16\s+(%rs\d+), (0x[0-9A-F]{4});", ptx))
+    unit = {"0x3F80", "0xBF80", "0x3C00", "0xBC00"}  # ±1 in bf16 and in fp16
+    fmas = re.findall(r"fma\.rn\.(?:bf16|f16)\s+%rs\d+, (%rs\d+), (%rs\d+), (%rs\d+);", ptx)
+    for a, b, c in fmas:
+        assert constants.get(c) == "0x8000" or {constants.get(a), constants.get(b)} & unit, (
+            name, a, b, c)
+    assert len(re.findall(r"\bfma\.", ptx)) == len(fmas), name
+
+
 def compile_norms():
     norms, actnn, glu, rope = runtime.norm_ops(), runtime.actnn_ops(), glu_ops(), rope_ops()
     loss = loss_ops()
@@ -150,7 +170,7 @@ def compile_norms():
                 compiled = triton.compile(source, target=target, options=options)
                 assert compiled.asm["cubin"], "no binary"
                 if name.startswith("rope"):
-                    assert "fma." not in compiled.asm["ptx"], name
+                    assert_no_contraction(compiled.asm["ptx"], name)
                 # Scalar offsets (a row's or a sample's start) are int64, unless a constant;
                 # tensor offsets may be int32 only for columns within a row (< BLOCK).
                 for offset, kind in re.findall(r"tt\.addptr %\w+, (%\w+) : [^,]+, (\S+)",

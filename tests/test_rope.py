@@ -58,6 +58,32 @@ def test_kernels_give_eagers_values_and_the_adjoint(dtype, shape, monkeypatch):
         assert ((got.double() - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_with_cos_and_sin_in_qs_dtype_the_kernel_is_eager_bit_for_bit(dtype, autocast,
+                                                                     monkeypatch):
+    """16-bit weights make cos and sin 16-bit (float32 without autocast): eager's rotation
+    then rounds each product and each sum to that dtype, forward and backward (autograd sums
+    the two paths' gradients in it). The kernel rounds where it does: eager's values and
+    gradients bit for bit, in one launch each way."""
+    monkeypatch.setenv("ACTDESIGN_BACKEND", "triton")
+    q, k, cos, sin = qk_cos_sin(dtype=dtype, heads=4, kv_heads=2, dim=16)
+    cos, sin = (t.to(dtype) for t in (cos, sin))
+    gq, gk = (torch.randn(t.shape, dtype=torch.float64).to(dtype) for t in (q, k))
+    results = []
+    for fn in (rotary, _reference):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k)]
+        half = dtype if dtype != torch.float32 else torch.bfloat16
+        with torch.autocast("cpu", dtype=half, enabled=autocast):
+            out = fn(*leaves, cos, sin)
+        torch.autograd.backward(out, (gq, gk))
+        results.append((*out, *(t.grad for t in leaves)))
+        if fn is rotary:
+            assert type(out[0].grad_fn).__name__ == "_RotaryBackward"
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+
+
 def magnitude(g, cos, sin):
     """|g1·c1| + |g2·s2| and |g2·c2| + |g1·s1|: the size of the backward's two terms."""
     g, c, s = (t.double().abs() for t in (g, cos.unsqueeze(1), sin.unsqueeze(1)))
