@@ -1,35 +1,41 @@
 #!/usr/bin/env bash
-# The device check, one short run on a machine with a GPU. A session's device time is 15
-# minutes, the machine's start included, so the stages run with what is least known first
-# (2026-12-04 on an H200: estimate about 65 s, gpu_check 90 s and all exact, lora_memory
+# The device check, short runs on a machine with a GPU. A session's device time is 15 minutes,
+# the machine's start included, and one command runs 10 minutes at most: name the stages a
+# call runs (each has its own time limit, so one slow stage cannot hide the others' results).
+#
+# Speed (each stage under 8 minutes, its table printed last):
+#   speed: benchmarks/step_profile.py, a training step's launches, host and device time by
+#      op family: the built-in llama and qwen2 at 16 x 1024 and the 1B LLaMA at 4 x 4096 in
+#      bf16 autocast (eager, llm, llm+checkpointing, checkpointing, Liger-Kernel), llama's
+#      llm+actnn2, and LoRA r=16 on the 1B LLaMA at 1 x 4096 (PEFT, llm); then
+#      benchmarks/speed_goals.py's table of the goals;
+#   kernels: benchmarks/runtime.py --quick: every kernel as a share of the copy bandwidth
+#      (bf16, 2^24 elements) and each op's host cost per call against torch's;
+#   compiled: torch.compile(model) step times, eager against llm (and Liger), llama at
+#      16 x 1024 and the 1B LLaMA at 4 x 4096;
+#   costs: benchmarks/gpu_costs.py measures the card's costs for the planner (written to
+#      OUTDIR and installed into runtime/cards/: commit the file), then gpu_plan.py plans
+#      the 1B LLaMA with them and sets the predicted step time beside the measured one.
+# Memory and exactness (2026-12-04 on an H200: estimate about 65 s, gpu_check 90 s, lora_memory
 # 80 s without Liger and Unsloth):
-#   1. gpu_estimate.py: `actdesign estimate`'s activation peak and saved bytes for the built-in
-#      llama at 4 x 1024 in bf16 autocast against one real step's on the GPU, per policy (none,
-#      checkpointing, llm, llm+actnn2, fewbit3+msnorm, actnn2);
-#   2. lora_memory.py: LoRA through PEFT on a 1B-class LLaMA at 1 x 4096 tokens, bf16 weights:
-#      PEFT, PEFT + checkpointing, ours, Liger and Unsloth when installed (goal: peak <= 0.5x
-#      PEFT's at a step time no slower), with the memory each row finds still held;
-#   3. runtime.py: few-bit kernels (GELU, 1-4 and 8 bits, bf16/fp32/fp16, 2^16..2^27) as a
-#      share of the copy bandwidth, the small-tensor cost per call, MS norms against torch's,
-#      MS-GLU, the rotation and the fused loss against eager (and Liger's loss, if installed);
-#   4. llm_memory.py: peak and step time of llama, gpt2 and qwen2 at 16 x 1024 tokens in bf16
-#      autocast: baseline, checkpointing, our presets, Liger-Kernel when installed; and what
-#      is allocated at each setup's peak (why ours + checkpointing peaked above checkpointing);
-#   6. gpu_plan.py: `plan` for the 1B-class LLaMA at 1 x 4096 under a budget of 0.35 of its
-#      saved bytes; the planned model's real peak against the budget and its step time against
-#      the lossless policy's times --max-slowdown (1.10).
-#   5. gpu_check.py: every kernel against the CPU reference (bit for bit, or against float64),
-#      the single block's peak and what is allocated at it, GPT-2 and LLaMA profiles with the
-#      cost of actnn2 on the step.
-# Each stage has its own time limit, so one slow stage cannot hide the others' results; where
-# one command may run 10 minutes at most, run the stages in two calls.
+#   estimate: `actdesign estimate`'s activation peak and saved bytes for the built-in llama at
+#      4 x 1024 in bf16 autocast against one real step's on the GPU, per policy;
+#   lora_memory: LoRA through PEFT on the 1B LLaMA at 1 x 4096 tokens, bf16 weights, every
+#      row in a fresh process: PEFT, PEFT + checkpointing, ours, Liger and Unsloth when
+#      installed;
+#   runtime: benchmarks/runtime.py, the whole kernel benchmark;
+#   llm_memory: peak and step time of llama, gpt2 and qwen2 at 16 x 1024 in bf16 autocast,
+#      with what is allocated at each setup's peak;
+#   plan: `plan` for the 1B LLaMA at 1 x 4096 under a budget of 0.35 of its saved bytes;
+#   gpu_check: every kernel against the CPU reference, and the step cost of actnn2.
+# Liger-Kernel and PEFT are carried as wheels in $WHEELS (default wheels/, made here by
+# `pip download --no-deps -d wheels liger-kernel peft accelerate`); the device cannot download.
 # Usage, from the repository root:
 #   bash benchmarks/gpu.sh [OUTDIR [STAGES]]   (OUTDIR: $OUT or out; STAGES: comma-separated,
-#                                               default plan,estimate,lora_memory,
-#                                               runtime,llm_memory,gpu_check)
+#                                               default speed)
 set -u
 out=${1:-${OUT:-out}}
-stages=,${2:-plan,estimate,lora_memory,runtime,llm_memory,gpu_check},
+stages=,${2:-speed},
 mkdir -p "$out"
 # The device's Python may lack platformdirs (installed --no-deps): name the ops cache outright.
 export ACTDESIGN_CACHE_DIR=${ACTDESIGN_CACHE_DIR:-/tmp/actdesign-cache}
@@ -44,14 +50,51 @@ stage() {  # stage NAME SECONDS COMMAND...: output to OUTDIR/NAME.txt and to the
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "== $name: exit $rc"; status=1; }
 }
-stage plan 240 python benchmarks/gpu_plan.py --device cuda --budget 0.35
-stage estimate 120 python benchmarks/gpu_estimate.py --device cuda --markdown
-# The device may lack PEFT and cannot download: carry their wheels in $WHEELS (default wheels/,
-# made here by `pip download --no-deps -d wheels peft accelerate`).
-if [[ $stages == *,lora_memory,* ]] && ! python -c "import peft" 2>/dev/null; then
-    python -m pip install --quiet --no-deps --no-index --find-links "${WHEELS:-wheels}" \
-        peft accelerate || echo "== lora_memory: peft is not installed and no wheel was carried"
+# The device may lack Liger-Kernel or PEFT and cannot download: carried wheels install.
+for package in liger_kernel peft; do
+    python -c "import $package" 2>/dev/null || python -m pip install --quiet --no-deps \
+        --no-index --find-links "${WHEELS:-wheels}" "${package/_/-}" accelerate 2>/dev/null \
+        || echo "== $package is not installed and no wheel was carried"
+done
+card=$(python -c "import torch; n = torch.cuda.get_device_name(0).lower(); \
+print(next((c for c in ('h200', 'h100', 'a100', 'l40s', 'rtx4090') if c in n.replace(' ', '')), 'h200'))")
+profile() {  # profile NAME SECONDS ARGS...: a step profile, JSON to OUTDIR/NAME.json
+    local name=$1 limit=$2
+    shift 2
+    stage "$name" "$limit" python benchmarks/step_profile.py --device cuda --repeats 5 \
+        --markdown --json "$out/$name.json" "$@"
+}
+if [[ $stages == *,speed,* ]]; then
+    rm -f "$out"/speed_*.json
+    stages="$stages,speed_llama,speed_qwen2,speed_llama1b,speed_lora,"
+    profile speed_llama 110 --model llama --batch 16 --seq 1024 \
+        --policy eager llm llm+checkpointing checkpointing liger llm+actnn2
+    profile speed_qwen2 90 --model qwen2 --batch 16 --seq 1024 \
+        --policy eager llm llm+checkpointing checkpointing liger
+    profile speed_llama1b 130 --model llama-1b --batch 4 --seq 4096 --no-count \
+        --policy eager llm llm+checkpointing checkpointing liger
+    profile speed_lora 70 --model llama-1b --batch 1 --seq 4096 --lora 16 --no-count \
+        --policy peft llm
+    stage speed_goals 20 python benchmarks/speed_goals.py --markdown "$out"/speed_*.json
 fi
+stage kernels 200 python benchmarks/runtime.py --device cuda --quick --acts gelu --markdown
+if [[ $stages == *,compiled,* ]]; then
+    stages="$stages,compiled_llama,compiled_llama1b,"
+    profile compiled_llama 240 --compile --model llama --batch 16 --seq 1024 \
+        --policy eager llm liger
+    profile compiled_llama1b 200 --compile --model llama-1b --batch 4 --seq 4096 \
+        --policy eager llm
+fi
+if [[ $stages == *,costs,* ]]; then
+    stages="$stages,gpu_costs,costs_plan,"
+    stage gpu_costs 150 python benchmarks/gpu_costs.py --card "$card" --install \
+        --out "$out/$card.json"
+    python -m pip install --quiet --no-deps --no-build-isolation . || exit 2
+    stage costs_plan 240 python benchmarks/gpu_plan.py --device cuda --budget 0.35 \
+        --card "$card"
+fi
+stage plan 240 python benchmarks/gpu_plan.py --device cuda --budget 0.35 --card "$card"
+stage estimate 120 python benchmarks/gpu_estimate.py --device cuda --markdown
 stage lora_memory 200 python benchmarks/lora_memory.py --device cuda --model llama-1b --seq 4096 \
     --rows peft peft+checkpointing llm llm+checkpointing llm+actnn2 liger unsloth --skip-full \
     --repeats 5 --markdown

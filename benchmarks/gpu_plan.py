@@ -1,5 +1,6 @@
 """The planned model on a device: is its peak within the budget, and its step time within
-the plan's maximum slowdown of the lossless policy's?
+the plan's maximum slowdown of the lossless policy's, and how near the planner's predicted
+step time is the measured one?
 
     python benchmarks/gpu_plan.py --device cuda                      # llama-1b, 1 x 4096
     python benchmarks/gpu_plan.py --device cpu --model llama-tiny --seq 128 --budget 0.5
@@ -70,13 +71,15 @@ def main():
     parser.add_argument("--max-slowdown", type=float, default=1.10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--card", default="h200", choices=planner.cards.NAMES,
+                        help="the card whose costs the plan's time model reads")
     args = parser.parse_args()
     model = build(args.model, args.device)
     batches = [models.example_batch(model, 1, 512, seed=1 + i) for i in range(2)]
     inputs = models.example_batch(model, args.batch, args.seq)
     kernels = "cuda" if args.device.startswith("cuda") else "cpu"
     plan = planner.plan(model, batches, args.budget, example_inputs=inputs,
-                        max_slowdown=args.max_slowdown, kernels=kernels,
+                        max_slowdown=args.max_slowdown, kernels=kernels, device=args.card,
                         progress=lambda m: print(m, file=sys.stderr))
     print(plan.table())
     base_peak, base_time = run(model, planner.policy_of([]), inputs, args.device, args.repeats)
@@ -93,6 +96,11 @@ def main():
     print(f"budget {plan.budget / 2**20:.1f} MiB: peak {'within' if within else 'OVER'}; "
           f"predicted peak {plan.peak_bytes / 2**20:.1f} MiB; time "
           f"{fast} {args.max_slowdown:.2f}x (predicted {predicted:.3f}x)")
+    print(f"predicted step time, {plan.costs.card.describe()}: llm "
+          f"{plan.costs.problem.base_time * 1e3:.1f} ms (measured/predicted "
+          f"{base_time / plan.costs.problem.base_time:.3f}), plan "
+          f"{plan.solution.time * 1e3:.1f} ms (measured/predicted "
+          f"{step_time / plan.solution.time:.3f}; goal within 15%)")
 
 if __name__ == "__main__":
     main()

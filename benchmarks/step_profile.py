@@ -255,6 +255,7 @@ class Setup:
     precision: str = "bf16-autocast"
     lora: int | None = None
     dropout: float = 0.05  # the adapters' lora_dropout
+    compiled: bool = False  # torch.compile(model): the step time and peak alone
 
 
 def split_row(row: str) -> tuple[str, bool]:
@@ -341,7 +342,7 @@ def count_launches(setup: Setup, row: str) -> dict | None:
     """{family: launches} of one training step (after a warm-up step) on fake tensors taking
     our ops' Triton paths; None where the row does not apply (Liger, whose kernels need real
     CUDA tensors)."""
-    if row == "liger":
+    if row == "liger" or setup.compiled:
         return None
     with shapes_only("cuda"):
         model = build(setup, row, fake=True)
@@ -365,21 +366,25 @@ def time_step(setup: Setup, row: str, device: str, repeats: int) -> dict | None:
     if model is None:
         return None
     inputs = _inputs(model, setup)
+    step_model = torch.compile(model) if setup.compiled else model
     optimizer = _optimizer(model)
     precision = setup.precision
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    _step(model, inputs, optimizer, precision, device)  # warm-up: kernels compile, state
+    _step(step_model, inputs, optimizer, precision, device)  # warm-up: compiles, state
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        loss = _step(model, inputs, optimizer, precision, device)
+        loss = _step(step_model, inputs, optimizer, precision, device)
         sync()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+    if setup.compiled:  # the compiler's fused kernels belong to no one family
+        return {"step_ms": 1e3 * statistics.median(times), "loss": loss.item(),
+                "peak_mib": peak, "families": {f: {} for f in FAMILIES}}
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -423,11 +428,11 @@ def _self_device_us(e) -> float:
     return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
 
 
-def profile_rows(setup: Setup, rows, device, repeats, say=print) -> list[dict]:
+def profile_rows(setup: Setup, rows, device, repeats, count=True, say=print) -> list[dict]:
     results = []
     for row in rows:
         say(f"{setup.model} {row}: counting launches")
-        launches = count_launches(setup, row)
+        launches = count_launches(setup, row) if count else None
         say(f"{setup.model} {row}: timing")
         timed = time_step(setup, row, device, repeats)
         if timed is None:
@@ -438,37 +443,43 @@ def profile_rows(setup: Setup, rows, device, repeats, say=print) -> list[dict]:
             if launches is not None:
                 families[f]["launches"] = launches[f]
         result = {"policy": row, "step_ms": timed["step_ms"], "loss": timed["loss"],
-                  "launches": None if launches is None else sum(launches.values()),
-                  "host_ms": sum(v.get("host_ms", 0) for v in families.values()),
-                  "families": families}
+                  "launches": None if launches is None else sum(launches.values())}
+        for key in ("host_ms", "device_ms", "kernels"):
+            if key != "host_ms" and not device.startswith("cuda"):
+                continue
+            found = [v[key] for v in families.values() if key in v]
+            result[key] = sum(found) if found else None
         if device.startswith("cuda"):
-            result["device_ms"] = sum(v.get("device_ms", 0) for v in families.values())
-            result["kernels"] = sum(v.get("kernels", 0) for v in families.values())
             result["peak_mib"] = timed["peak_mib"]
+        result["families"] = families
         results.append(result)
     return results
 
 
 def print_tables(rows, markdown, cuda):
-    base = rows[0] if rows else None
-    header = ["row", "step ms", "time ratio", "launches", "host ms"]
-    header += ["device ms", "kernels", "peak MiB"] if cuda else []
-    line = table(header, markdown, width=11, first=26)
-    for r in rows:
-        cells = [r["policy"], f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.2f}",
-                 "-" if r["launches"] is None else f"{r['launches']}", f"{r['host_ms']:.1f}"]
-        if cuda:
-            cells += [f"{r['device_ms']:.1f}", f"{r['kernels']}", f"{r['peak_mib']:,.0f}"]
-        line(cells)
+    """The families' tables, then the rows' (the figures a reader compares first, last)."""
+    def cell(value, fmt):
+        return "-" if value is None else fmt.format(value)
+
     metrics = [("launches", "{:.0f}"), ("host_ms", "{:.2f}")]
     metrics += [("device_ms", "{:.2f}")] if cuda else []
     for key, fmt in metrics:
         print(f"\n{key.replace('_', ' ')} by family")
         line = table(["row", *FAMILIES], markdown, width=10, first=26)
         for r in rows:
-            fam = r["families"]
-            line([r["policy"], *(fmt.format(fam[f][key]) if key in fam[f] else "-"
-                                 for f in FAMILIES)])
+            line([r["policy"], *(cell(r["families"][f].get(key), fmt) for f in FAMILIES)])
+    print()
+    base = rows[0] if rows else None
+    header = ["row", "step ms", "time ratio", "launches", "host ms"]
+    header += ["device ms", "kernels", "peak MiB"] if cuda else []
+    line = table(header, markdown, width=11, first=26)
+    for r in rows:
+        cells = [r["policy"], f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.2f}",
+                 cell(r["launches"], "{}"), cell(r["host_ms"], "{:.1f}")]
+        if cuda:
+            cells += [cell(r["device_ms"], "{:.1f}"), cell(r["kernels"], "{}"),
+                      f"{r['peak_mib']:,.0f}"]
+        line(cells)
 
 
 def main(argv=None):
@@ -482,19 +493,24 @@ def main(argv=None):
                         help="PEFT LoRA adapters of rank R on the seven projections, bf16 "
                         "weights (rows: peft, llm, ...)")
     parser.add_argument("--dropout", type=float, default=0.05, help="the adapters' dropout")
+    parser.add_argument("--no-count", dest="count", action="store_false",
+                        help="leave the launches out (they are the same on any machine)")
+    parser.add_argument("--compile", action="store_true",
+                        help="time torch.compile(model) instead (no launches, no families)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", metavar="F", help="write the rows as JSON to F")
     args = parser.parse_args(argv)
-    setup = Setup(args.model, args.batch, args.seq, args.precision, args.lora, args.dropout)
+    setup = Setup(args.model, args.batch, args.seq, args.precision, args.lora, args.dropout,
+                  args.compile)
     cuda = args.device.startswith("cuda")
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
     lora = f", LoRA r={args.lora} (dropout {args.dropout}), bf16 weights" if args.lora else ""
     print(f"{args.model}, {args.batch} x {args.seq}, {args.precision}{lora}, {where}, torch "
           f"{torch.__version__}", flush=True)
     try:
-        rows = profile_rows(setup, args.policy, args.device, args.repeats,
+        rows = profile_rows(setup, args.policy, args.device, args.repeats, args.count,
                             say=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
     except ActdesignError as exc:
         sys.exit(f"step_profile: {exc}")
