@@ -273,17 +273,14 @@ def _rule_words(index, rule) -> str:
 
 def _rotary_words(attention) -> str:
     """What rotates q and k where the module's weights are now (`rope.rotary`): one kernel
-    per tensor takes CUDA tensors under autocast with float32 cos and sin (which float32
-    weights give); anywhere else eager's own ops run, as before."""
+    for both takes CUDA tensors (in any float dtype, under autocast or not); anywhere else
+    eager's own ops run, as before."""
     p = next(attention.parameters(), None)
-    device, dtype = (p.device.type, p.dtype) if p is not None else ("cpu", torch.float32)
-    kernel = "one kernel per tensor on CUDA under autocast"
-    if dtype != torch.float32:
-        return f"rotary embedding: eager's own ops with these {str(dtype)[6:]} weights; " \
-            f"{kernel} with float32 weights"
+    device = p.device.type if p is not None else "cpu"
+    kernel = "one kernel for q and k each way"
     if device != "cuda":
-        return f"rotary embedding: eager's own ops on {device}; {kernel}"
-    return f"rotary embedding in {kernel}; eager's own ops without autocast"
+        return f"rotary embedding: eager's own ops on {device}; {kernel} on CUDA"
+    return f"rotary embedding in {kernel}"
 
 
 def _plan_lora(name, layer, method, keeps, report) -> list[Edit]:
