@@ -85,3 +85,21 @@ def test_the_families_of_a_real_step_add_up_to_its_host_time():
     assert fam["optimizer"]["host_ms"] > 0 and fam["norms"]["host_ms"] > 0
     assert fam["loss"]["host_ms"] > 0 and fam["attention"]["host_ms"] > 0
     assert torch.isfinite(torch.tensor(timed["loss"]))
+
+
+def test_the_speed_goals_read_the_rows_of_one_run():
+    import speed_goals
+
+    rows = [{"policy": p, "step_ms": t, "peak_mib": m} for p, t, m in (
+        ("eager", 100.0, 1000.0), ("llm", 90.0, 400.0), ("liger", 80.0, 500.0),
+        ("checkpointing", 120.0, 600.0), ("llm+checkpointing", 130.0, 300.0))]
+    found = {g: (r, limit) for _, g, r, limit in speed_goals.goals(
+        {"model": "llama", "batch": 16, "seq": 1024, "rows": rows})}
+    assert found["time vs eager"] == (0.9, 1.0)
+    assert found["time vs Liger"] == (90 / 80, 1.0)
+    assert found["peak vs Liger"] == (0.8, 0.85)
+    assert found["checkpointed time"] == (130 / 120, 1.05)
+    assert "actnn2 on llm" not in found and "LoRA time vs PEFT" not in found
+    lora = speed_goals.goals({"model": "llama-1b", "batch": 1, "seq": 4096, "lora": 16,
+                              "rows": [rows[0] | {"policy": "peft"}, rows[1]]})
+    assert [g for _, g, _, _ in lora] == ["LoRA time vs PEFT", "LoRA peak vs PEFT"]
