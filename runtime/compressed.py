@@ -13,6 +13,8 @@ tensor the matmul consumed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,11 +33,19 @@ def compressed_call(layer, x, weight, bias):
     itself, never a 16-bit copy of it (eager autocast keeps one per layer until the backward:
     2 bytes per parameter). The results are the same, bit for bit."""
     dtype, (x, bias) = autocast_casts(weight, x, bias)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         return _CompressedInput.apply(x, weight, bias, layer, dtype or weight.dtype)
 
 
 _AUTOCAST_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_off(device_type: str):
+    """A block with autocast off: torch.autocast(enabled=False) where it is on, else nothing
+    (entering torch.autocast costs microseconds of Python on every call)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def autocast_casts(weight, *tensors):
@@ -69,7 +79,7 @@ class _CompressedInput(torch.autograd.Function):
         weight, *saved = ctx.saved_tensors
         layer = ctx.layer
         grad_x = grad_w = grad_b = None
-        with torch.autocast(g.device.type, enabled=False):  # as in the forward
+        with autocast_off(g.device.type):  # as in the forward
             cast = weight.to(ctx.weight_dtype)
             if ctx.needs_input_grad[0]:
                 grad_x = layer.input_grad(ctx.shape, cast, g)

@@ -35,7 +35,7 @@ from actdesign.errors import ActdesignError
 
 from .accounting import hooked
 from .cache import generated
-from .compressed import LeanLinear, autocast_casts
+from .compressed import LeanLinear, autocast_casts, autocast_off
 from .fake import any_fake, on_host, real_copy
 from .models import same_draws
 from .quantized import QLinear, _QuantizedInput
@@ -105,7 +105,7 @@ class MSGLU(_QuantizedInput, nn.Module):
             return down(_GLUProduct.apply(g, u, self.act, codes))  # a module call: it runs
         weight = down.weight
         dtype, (bias,) = autocast_casts(weight, down.bias)
-        with torch.autocast(g.device.type, enabled=False):
+        with autocast_off(g.device.type):
             return _GLUDown.apply(g, u, weight, bias, self.act, dtype or weight.dtype, codes)
 
     def extra_repr(self):
@@ -162,7 +162,7 @@ class _GLUDown(torch.autograd.Function):
         g, weight, *kept = ctx.saved_tensors
         u = _restore(ctx.codes, kept, g.shape, ctx.u_dtype)
         grad2 = grad.reshape(-1, grad.shape[-1])
-        with torch.autocast(grad.device.type, enabled=False):
+        with autocast_off(grad.device.type):
             w = weight.to(ctx.dtype)
             dh = (grad2 @ w).view(g.shape)
             dg, du, h = glu_ops().elementwise_backward(g, u, dh, ctx.act)

@@ -39,7 +39,7 @@ from actdesign.codegen.render import render_lm_loss
 from actdesign.errors import ActdesignError
 
 from .cache import generated
-from .compressed import LeanLinear, autocast_casts
+from .compressed import LeanLinear, autocast_casts, autocast_off
 from .edits import BoundMethod, Edit, apply_all
 from .fake import is_fake
 from .models import same_draws
@@ -77,7 +77,7 @@ def fused_linear_cross_entropy(hidden, weight, labels=None, *, shift_labels=None
     tokens, vocab = flat.shape[0], weight.shape[0]
     if chunk_size is None:
         chunk_size = max(256, -(-tokens * flat.shape[1] // vocab))
-    with torch.autocast(hidden.device.type, enabled=False):
+    with autocast_off(hidden.device.type):
         total = _FusedLinearCrossEntropy.apply(flat, weight, targets, ignore_index,
                                                int(chunk_size), dtype)
     if num_items_in_batch is None:
@@ -129,7 +129,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(w.shape, dtype=wide, device=w.device) \
             if ctx.needs_input_grad[1] else None
-        with torch.autocast(kept.device.type, enabled=False):
+        with autocast_off(kept.device.type):
             for a, b in _chunks(kept.shape[0], ctx.chunk_size):
                 hidden = rebuild(kept[a:b], extras, ctx.make, (b - a, kept.shape[1]),
                                  ctx.hidden_dtype)  # a chunk at a time

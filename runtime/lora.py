@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .accounting import hooked
-from .compressed import LeanLinear, compressed_call
+from .compressed import LeanLinear, autocast_off, compressed_call
 from .edits import Edit
 from .sharing import keep, restore
 from .targets import is_hf_conv1d
@@ -174,7 +174,7 @@ class _AdapterInput(torch.autograd.Function):
         weight, *saved = ctx.saved_tensors
         wants_x, wants_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
-        with torch.autocast(ctx.device.type, enabled=False):
+        with autocast_off(ctx.device.type):
             w = weight.to(ctx.product)
             g2 = grad.reshape(-1, grad.shape[-1])
             xd, kept = _replay(ctx, saved, rebuild_x=wants_w) if wants_w or ctx.p \
