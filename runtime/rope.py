@@ -126,10 +126,18 @@ def _replacement_for(original):
     runs: its own dtype casts (OLMo 2 casts back to q's dtype) and partial rotations
     (GPT-NeoX rotates the first cos.shape[-1] features) stay as they are."""
     signature = inspect.signature(_plain(original))
+    parameters = signature.parameters
+    # the call attention makes, (q, k, cos, sin), read without binding the signature
+    plain_call = list(parameters)[:4] == ["q", "k", "cos", "sin"]
+    unsqueeze = getattr(parameters.get("unsqueeze_dim"), "default", 1)
 
     def apply_rotary_pos_emb(*args, **kwargs):
         if torch.compiler.is_compiling():  # the compiler fuses eager's ops itself
             return original(*args, **kwargs)
+        if plain_call and len(args) == 4 and not kwargs:
+            if _kernel_runs(*args, unsqueeze):
+                return _kernels(*args)
+            return original(*args)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()  # the original's own default unsqueeze_dim
         a = bound.arguments
