@@ -65,7 +65,12 @@ import torch.nn.functional as F
 from measure import emulate_bf16_matmuls, float32_matmuls, saved_storages, table
 from torch import nn
 
-from actdesign.runtime.profile import PRECISIONS, default_precision, forward_context
+from actdesign.runtime.profile import (
+    PRECISIONS,
+    bf16_weights,
+    default_precision,
+    forward_context,
+)
 
 VOCAB = 256  # bytes
 VARIANTS = ["baseline", "fewbit3", "regelu2", "msnorm", "fewbit3+msnorm", "regelu2+msnorm",
@@ -345,7 +350,7 @@ def run_seed(names, cfg: Config, seed: int, setting: Setting, train_text, val_te
     batches, val = train_batches(train_text, cfg, seed), val_batches(val_text, cfg)
     torch.manual_seed(seed)
     base = build(arch, cfg).to(setting.device)
-    if setting.precision == "bf16":
+    if bf16_weights(setting.precision):
         base.to(torch.bfloat16)
     results = {}
     for name in names:
@@ -395,7 +400,7 @@ def noise_floor_seed(variants, cfg: Config, seed: int, setting: Setting, train_t
     batches, val = train_batches(train_text, cfg, seed), val_batches(val_text, cfg)
     torch.manual_seed(seed)
     base = build("llama", cfg).to(setting.device)
-    if setting.precision == "bf16":
+    if bf16_weights(setting.precision):
         base.to(torch.bfloat16)
 
     def arm(name, model, arm_cfg, arm_batches, micro_batches=1):

@@ -57,7 +57,7 @@ from actdesign.errors import ActdesignError  # noqa: E402
 from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.accounting import observer  # noqa: E402
 from actdesign.runtime.estimate import _checkpointing, fake_model, shapes_only  # noqa: E402
-from actdesign.runtime.profile import PRECISIONS, forward_context  # noqa: E402
+from actdesign.runtime.profile import PRECISIONS, bf16_weights, forward_context  # noqa: E402
 from actdesign.runtime.targets import (  # noqa: E402
     ROTARY,
     is_activation,
@@ -269,7 +269,7 @@ def split_row(row: str) -> tuple[str, bool]:
 def build(setup: Setup, row: str, device: str = "cpu", fake: bool = False):
     """A fresh model for the row (on fake tensors with `fake`, inside `shapes_only`), or None
     where the row does not apply (Liger off CUDA or not installed)."""
-    bf16 = setup.lora is not None or setup.precision == "bf16"
+    bf16 = setup.lora is not None or bf16_weights(setup.precision)
     if fake:
         model = fake_model(setup.model, models.config_of(setup.model),
                            "bf16" if bf16 else "fp32", _lora_config(setup))

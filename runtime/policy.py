@@ -120,11 +120,23 @@ def load(source) -> Policy:
             rules.sort(key=lambda r: r["apply"] in _FALLBACKS)  # stable: order kept otherwise
             return validate({"format": FORMAT, "rules": rules}, text, label=text)
         if not text.endswith(".json"):
-            raise ActdesignError(f"unknown policy {text!r}: use a preset ("
-                                 f"{', '.join(PRESETS)}), presets joined by '+', or a .json file")
+            raise ActdesignError(_unknown(text))
         return _load_file(Path(text))
     raise ActdesignError(f"a policy is a preset name, a dict or a .json path, not "
                          f"{type(source).__name__}")
+
+
+def _unknown(text: str) -> str:
+    """Why `text` names no policy: its first part that is no preset, with the nearest."""
+    import difflib
+
+    parts = text.split("+")
+    bad = next(p for p in parts if p not in PRESETS)
+    near = difflib.get_close_matches(bad, PRESETS, n=1)
+    what = f"preset {bad!r} in policy {text!r}" if len(parts) > 1 else f"policy {text!r}"
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return (f"unknown {what}{hint}: use a preset ({', '.join(PRESETS)}), presets joined by "
+            "'+', or a .json file")
 
 
 def save(policy: Policy, path) -> Path:

@@ -2,8 +2,10 @@
 and step time, in a chosen precision.
 
 Precisions: `fp32`; `bf16-autocast`, float32 weights with the forward under
-`torch.autocast(dtype=torch.bfloat16)` and the backward outside it, as torch recommends; and
-`bf16`, weights and floating inputs in bfloat16. The default is bf16-autocast on CUDA and fp32
+`torch.autocast(dtype=torch.bfloat16)` and the backward outside it, as torch recommends;
+`bf16-weights-autocast`, bfloat16 weights under the same autocast (what transformers' Trainer
+with bf16=True runs on a model loaded in bfloat16); and `bf16`, weights and floating inputs in
+bfloat16, no autocast. The default is bf16-autocast on CUDA and fp32
 on CPU.
 
 Saved bytes are the distinct storages autograd keeps for the backward (parameters aside), each
@@ -28,12 +30,17 @@ import torch
 from torch.utils._pytree import tree_map
 
 from actdesign.errors import ActdesignError
+from actdesign.options import PRECISIONS
 
 from . import models
 from .accounting import account
 from .compress import Report, compress
 
-PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+
+def bf16_weights(precision: str) -> bool:
+    """Whether the weights are bfloat16: bf16, and bf16-weights-autocast (what transformers'
+    Trainer with bf16=True runs on a model loaded in bfloat16)."""
+    return precision in ("bf16", "bf16-weights-autocast")
 
 
 def check_precision(precision: str) -> str:
@@ -184,9 +191,9 @@ def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str
     model = model.to(device).train()
     inputs = models.example_batch(model, batch, seq, make_batch, seed)
     small = models.example_batch(model, 2, min(seq, 8), make_batch, seed)
-    dtype = torch.bfloat16 if precision == "bf16" else None
-    if dtype is not None:
-        model.to(dtype)
+    if bf16_weights(precision):
+        model.to(torch.bfloat16)
+    dtype = torch.bfloat16 if precision == "bf16" else None  # bf16: floating inputs too
     inputs, small = _to(inputs, device, dtype), _to(small, device, dtype)
     compressed = copy.deepcopy(model)
     say(f"compressing a copy with {policy if isinstance(policy, str) else 'the policy'}")
@@ -212,8 +219,9 @@ def _to(inputs, device, dtype=None):
 
 
 def forward_context(precision: str, device: str):
-    """Where the forward runs: under bfloat16 autocast for bf16-autocast, else as it is."""
-    if precision == "bf16-autocast":
+    """Where the forward runs: under bfloat16 autocast for bf16-autocast and
+    bf16-weights-autocast, else as it is."""
+    if precision in ("bf16-autocast", "bf16-weights-autocast"):
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
