@@ -81,11 +81,21 @@ def config_of(name: str):
         return _local_config(name, path)
     if ":" in name:
         return None
-    hint = (f"; for a Hub model, write hf:{name}" if "/" in name and not path.exists()
-            else "")
+    if _looks_like_a_path(name):
+        what = "file" if name.endswith(".json") else "directory"
+        raise ActdesignError(f"model {name!r}: no such {what}; give a local model directory "
+                             "or its config.json")
+    hint = f"; for a Hub model, write hf:{name}" if name.count("/") == 1 else ""
     raise ActdesignError(f"unknown model {name!r}: use a built-in ({', '.join(BUILTIN)}), a "
                          "local model directory or config.json, hf:<repo id>, "
                          f"package.module:function or file.py:function{hint}")
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """A name written as a path (absolute, relative with ./ or ../, in the home, or a .json
+    file), not as a Hub repo id (owner/name)."""
+    return name.startswith(("/", "./", "../", "~", ".\\")) or name.endswith(".json") \
+        or name.count("/") > 1
 
 
 def build(name: str, seed: int = 0, say=None, device=None):
@@ -129,8 +139,18 @@ def _local_config(name, path: Path):
     transformers = _transformers(name)
     try:
         return transformers.AutoConfig.from_pretrained(str(file))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ActdesignError(f"model {name!r}: cannot read {str(file)!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001  (transformers' validators raise their own types)
+        raise ActdesignError(f"model {name!r}: cannot use {str(file)!r}: "
+                             f"{_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """The line of an exception that says what is wrong: the first of its innermost cause
+    (a validator's, not the frame that wraps it; not the advice that follows it)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def _hub_config(name, repo):
@@ -139,32 +159,88 @@ def _hub_config(name, repo):
     transformers = _transformers(name)
     try:
         return transformers.AutoConfig.from_pretrained(repo, local_files_only=True)
-    except ValueError as exc:  # a model type this transformers lacks, or a bad config
-        raise ActdesignError(f"model {name!r}: cannot use its config (remote code is not "
-                             f"run): {exc}") from None
     except OSError:
         raise ActdesignError(f"model {name!r}: its config is not in the local Hugging Face cache; "
                              f"fetch it once online with `hf download {repo} config.json`, or "
                              "give a local model directory") from None
+    except Exception as exc:  # noqa: BLE001  (a type this transformers lacks, a bad config)
+        raise ActdesignError(f"model {name!r}: cannot use its config (remote code is not "
+                             f"run): {_reason(exc)}") from None
+
+
+# What sizes a causal LM's shape: a config file without one takes transformers' default.
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+# Sizes a config may give before a model is built: past these, building alone would run
+# for hours (a layer list of a billion) or sizes overflow torch's int64 shapes.
+_COUNTS = {"num_hidden_layers": 4096, "num_experts": 4096, "num_local_experts": 4096}
+_LARGEST = 2**31
+
+
+def _check_sizes(name: str, config) -> None:
+    for key in (*_SHAPE_KEYS, *_COUNTS):
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        bound = _COUNTS.get(key, _LARGEST)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise ActdesignError(f"model {name!r}: its config's {key} must be an integer from "
+                                 f"1 to {bound:,}, got {shown}")
+
+
+def defaulted(name: str, config) -> list[str]:
+    """Warnings, one per key of `_SHAPE_KEYS` the architecture has but the config file of a
+    local or hf: model leaves out, so that transformers' default sizes the model."""
+    if name.startswith("hf:"):
+        source = name.removeprefix("hf:")
+    else:
+        path = Path(name)
+        source = path / "config.json" if path.is_dir() else path
+        if name in BUILTIN or not source.is_file():
+            return []  # a built-in's sizes are ours, each given
+    try:  # the file as written, read from disk only (never the network)
+        given, _ = type(config).get_config_dict(str(source), local_files_only=True)
+    except Exception:  # noqa: BLE001  (nothing more to read)
+        return []
+    aliases = {v: k for k, v in getattr(config, "attribute_map", {}).items()}
+    out = []
+    for key in _SHAPE_KEYS:
+        if key in given or aliases.get(key) in given or not hasattr(config, key):
+            continue
+        value = getattr(config, key)
+        if value is None:
+            continue
+        out.append(f"{source} sets no {key}: transformers' default for "
+                   f"{type(config).__name__}, {value}, is used")
+    return out
 
 
 def _from_config(name, config):
     """The model class the name says (BUILTIN) or the config lists (`architectures`); else the
-    causal LM for the config's type, else its bare model."""
+    causal LM for the config's type, else its bare model. A config its model refuses (a
+    width that the heads do not divide, say) is refused in one line saying why."""
     transformers = _transformers(name)
     if name in BUILTIN:
-        return getattr(transformers, BUILTIN[name][1])(config)
-    for arch in getattr(config, "architectures", None) or ():
-        model_cls = getattr(transformers, arch, None)
-        if model_cls is not None:
-            return model_cls(config)
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
-        try:
-            return auto.from_config(config)
-        except ValueError:
-            continue
-    raise ActdesignError(f"model {name!r}: this transformers has no model for its config "
-                         f"({type(config).__name__})")
+        build = getattr(transformers, BUILTIN[name][1])
+    else:
+        found = [getattr(transformers, arch, None)
+                 for arch in getattr(config, "architectures", None) or ()]
+        autos = [auto.from_config for auto in (transformers.AutoModelForCausalLM,
+                                               transformers.AutoModel)
+                 if type(config) in auto._model_mapping]
+        build = next((c for c in found if c is not None), None) or next(iter(autos), None)
+    if build is None:
+        raise ActdesignError(f"model {name!r}: this transformers has no model for its config "
+                             f"({type(config).__name__})")
+    _check_sizes(name, config)
+    try:
+        return build(config)
+    except Exception as exc:  # noqa: BLE001  (transformers' validators raise their own types)
+        raise ActdesignError(f"model {name!r}: its config cannot build a model: "
+                             f"{_reason(exc)}") from None
 
 
 def with_weights(name: str, model):
