@@ -16,6 +16,7 @@ import time
 import click
 
 from .errors import ActdesignError
+from .options import PRECISIONS
 
 _FORCE = click.option("--force", is_flag=True,
                       help="Overwrite an output that is not an actdesign output of the same "
@@ -309,7 +310,7 @@ class _PresetsHelp(click.Option):
 @click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
               help="Sequence length (text models).")
 @click.option("--device", default=None, help="cpu or cuda [cuda when available].")
-@click.option("--precision", type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
+@click.option("--precision", type=click.Choice(PRECISIONS),
               default=None, help="fp32; bf16-autocast (float32 weights, the forward under "
                                  "bfloat16 autocast); bf16 (bfloat16 weights and inputs) "
                                  "[bf16-autocast on CUDA, fp32 on CPU].")
@@ -367,10 +368,12 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
 @click.option("--batch", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
               help="Sequence length (text models).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
-              default="fp32", show_default=True,
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16-autocast",
+              show_default=True,
               help="fp32; bf16-autocast (float32 weights, the forward under bfloat16 "
-                   "autocast); bf16 (bfloat16 weights and inputs).")
+                   "autocast); bf16-weights-autocast (bfloat16 weights under autocast: "
+                   "Trainer's bf16=True on a model loaded in bfloat16); bf16 (bfloat16 "
+                   "weights and inputs).")
 @click.option("--policy", "-p", "policies", multiple=True, default=("none",),
               show_default=True,
               help="Repeatable, one row each: a preset, presets joined by '+' or a policy file.")
@@ -378,8 +381,18 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
 @click.option("--lora", type=click.IntRange(1), metavar="RANK",
               help="PEFT LoRA adapters of this rank on every Linear layer but the head; only "
                    "they are trained.")
-@click.option("--gpu-memory", metavar="SIZE",
-              help="Say whether the total fits in this much memory, such as 24GiB or 80GB.")
+@click.option("--4bit", "four_bit", is_flag=True,
+              help="With --lora: QLoRA, the base in bitsandbytes' 4-bit NF4 (modelled).")
+@click.option("--optimizer", type=click.Choice(["adamw", "adamw8bit", "sgd", "none"]),
+              default="adamw", show_default=True,
+              help="Whose state the total counts: AdamW, bitsandbytes' 8-bit AdamW, SGD "
+                   "without momentum, or none.")
+@click.option("--gpu-memory", "gpu_memory", multiple=True, metavar="SIZE",
+              help="Repeatable: say whether the total with its margins fits in this much "
+                   "memory, such as 24GiB or 80GB.")
+@click.option("--card", type=click.Choice(["h100", "h200", "a100", "l40s", "rtx4090"]),
+              help="The card whose measured margins (CUDA context, fragmentation) to use; "
+                   "without one, or where it is not measured, they are assumed.")
 @click.option("--kernels", type=click.Choice(["cuda", "cpu"]), default="cuda",
               show_default=True,
               help="Whose allocations the peak follows for actdesign's ops: their CUDA "
@@ -387,22 +400,30 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
               metavar="FILE", help="Also write the estimate as JSON ('-': stdout only).")
 @_FORCE
-def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, gpu_memory,
-             kernels, json_out, force):
+def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, four_bit,
+             optimizer, gpu_memory, card, kernels, json_out, force):
     """Estimate the memory of one training step from a model's config, without its weights
-    or a GPU: bytes saved for the backward by module, the activation peak, and weights,
-    gradients and AdamW state. Progress goes to stderr."""
+    or a GPU: bytes saved for the backward by module, the activation peak, weights,
+    gradients and optimizer state, and the margins a card needs beyond them. Progress goes
+    to stderr."""
     import json
 
     from .files import write_atomic
-    from .runtime.estimate import estimate as run
-    from .runtime.estimate import parse_size
+    from .options import parse_size
 
     _check_out(json_out if json_out != "-" else None, "json", force)
-    size = parse_size(gpu_memory) if gpu_memory is not None else None
-    result = run(model_name, batch, seq, precision, policies, checkpointing, gpu_memory=size,
-                 progress=lambda message: click.echo(message, err=True), lora=lora,
-                 kernels=kernels)
+    for size in gpu_memory:  # every option read before any model is built
+        parse_size(size, "GPU memory")
+    if four_bit and lora is None:
+        raise ActdesignError("--4bit is QLoRA: give --lora RANK too")
+    from .runtime import policy as policy_mod
+    from .runtime.estimate import estimate as run
+
+    for p in policies:
+        policy_mod.load(p)
+    result = run(model_name, batch, seq, precision, policies, checkpointing, optimizer,
+                 list(gpu_memory) or None, lambda message: click.echo(message, err=True),
+                 lora, kernels, card, four_bit)
     text = json.dumps(result.to_dict(), indent=1)
     if json_out == "-":
         click.echo(text)
@@ -455,7 +476,7 @@ def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
 @click.option("--batch", type=click.IntRange(1), required=True, help="Training batch size.")
 @click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
               help="Training sequence length (text models).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
+@click.option("--precision", type=click.Choice(PRECISIONS),
               default="bf16-autocast", show_default=True)
 @click.option("--budget", required=True, metavar="SIZE|FRACTION",
               help="The activation peak allowed: a size such as 20GiB or 12.5MiB, or a "
@@ -489,6 +510,7 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
     import json
 
     from .files import write_atomic
+    from .options import parse_budget
     from .runtime import cards, planner
     from .runtime import models as model_mod
     from .runtime.policy import save
@@ -496,6 +518,7 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
     _check_out(out, "policy", force)
     for path, kind in ((json_out, "json"), (plot, "plot")):
         _check_out(path, kind, force)
+    parse_budget(budget)  # refused at once, before any model is built or measured
     if device_name not in cards.NAMES:
         raise ActdesignError(f"--device must be one of {', '.join(cards.NAMES)}, "
                              f"got {device_name!r}")

@@ -14,6 +14,14 @@ Measured, a card has:
 The roofline reads the sheet's peaks: a step costs its FLOPs at the peak rate plus reading
 and writing its saved bytes once at the peak bandwidth. It predicts too little (the peak is
 not reached); the measured rates are what the planner's time limit should be read against.
+
+A card also holds more than a step's tensors (`estimate`'s margins):
+- `context_bytes`: the CUDA context, the libraries' workspaces and whatever else a process
+  holds on the card beyond torch's allocations, measured after a training step;
+- `fragmentation`: per policy family (eager, llm, checkpointing), the allocator's reserved
+  bytes beyond its allocated ones at the peak, over the activation peak, measured on real
+  steps.
+Unmeasured, they are assumptions (ASSUMED_CONTEXT, ASSUMED_FRAGMENTATION), said as such.
 """
 
 from __future__ import annotations
@@ -28,6 +36,11 @@ from actdesign.errors import ActdesignError
 VENDOR = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12), "a100": (312e12, 2.0e12),
           "l40s": (362e12, 0.864e12), "rtx4090": (165e12, 1.008e12)}
 NAMES = tuple(VENDOR)
+# Unmeasured margins: a CUDA context with cuBLAS and attention workspaces takes several
+# hundred MiB; the caching allocator's cached-but-free blocks, a tenth of the activations.
+ASSUMED_CONTEXT = 2**30
+ASSUMED_FRAGMENTATION = 0.10
+FAMILIES = ("eager", "llm", "checkpointing")
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,15 @@ class Card:
     bytes_per_s: float
     option_s_per_byte: dict = field(default_factory=dict)
     measured: str | None = None  # the card, model and date it was measured on; None: roofline
+    context_bytes: int | None = None  # measured; None: ASSUMED_CONTEXT
+    fragmentation: dict = field(default_factory=dict)  # family -> measured share of the peak
+
+    def margins(self, family: str) -> tuple[int, float, bool]:
+        """(context bytes, fragmentation as a share of the activation peak, whether both were
+        measured on this card) for a policy family."""
+        measured = self.context_bytes is not None and family in self.fragmentation
+        return (ASSUMED_CONTEXT if self.context_bytes is None else self.context_bytes,
+                self.fragmentation.get(family, ASSUMED_FRAGMENTATION), measured)
 
     def step_time(self, flops: float, saved_bytes: int) -> float:
         """A step of `flops` FLOPs saving `saved_bytes`: measured, its FLOPs at the measured
@@ -86,6 +108,13 @@ def _measured(name: str) -> Card | None:
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
-    return Card(name, float(data["flops_per_s"]), float(data["bytes_per_s"]),
+    context = data.get("context_bytes")
+    timed = "flops_per_s" in data  # (a file may hold the margins alone)
+    flops, bandwidth = VENDOR[name]
+    return Card(name, float(data.get("flops_per_s", flops)),
+                float(data.get("bytes_per_s", bandwidth)),
                 {k: float(v) for k, v in data.get("option_s_per_byte", {}).items()},
-                f"{data['device']}, {data['model']} at {data['shape']} ({data['date']})")
+                f"{data['device']}, {data['model']} at {data['shape']} ({data['date']})"
+                if timed else None,
+                None if context is None else int(context),
+                {k: float(v) for k, v in data.get("fragmentation", {}).items()})

@@ -34,34 +34,26 @@ from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
+    unset_fake_temporarily,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from actdesign.errors import ActdesignError
+from actdesign.options import parse_size
 
-from . import models
+from . import cards, footprint, models
 from . import policy as policy_mod
 from .accounting import account, storage_key
 from .compress import compress
-from .profile import OUTPUT_ROW, _to, check_precision, forward_context, size_unit
-
-# optimizer -> (its name in the table, states per trainable parameter element); each state has
-# the parameter's dtype, as torch.optim.AdamW keeps them (float32 unless the weights are bf16).
-OPTIMIZERS = {"adamw": ("AdamW", 2)}
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as `24GiB`, `80GB` or `1.5 TiB` (GB: 10**9 bytes, GiB: 2**30)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not unit:
-        raise ActdesignError(f"cannot read the size {text!r}: write a number and a unit, such "
-                             "as 24GiB or 80GB")
-    return int(float(match.group(1)) * unit)
+from .profile import (
+    OUTPUT_ROW,
+    _to,
+    bf16_weights,
+    check_precision,
+    forward_context,
+    size_unit,
+)
 
 
 @dataclass
@@ -74,17 +66,30 @@ class Row:
     weights_bytes: int
     gradients_bytes: int
     optimizer_bytes: int
-    fits: bool | None = None
+    margins: footprint.Margins | None = None
+    fits: bool | dict | None = None  # one size: whether it fits; several: size -> bool
 
     @property
     def total_bytes(self) -> int:
         return self.peak_bytes + self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.margins.total if self.margins is not None else 0
+
+    @property
+    def needed_bytes(self) -> int:
+        """The total with its margins: what a card must hold."""
+        return self.total_bytes + self.margin_bytes
 
     def to_dict(self) -> dict:
         return {"policy": self.policy, "saved_bytes": self.saved_bytes,
                 "peak_bytes": self.peak_bytes, "weights_bytes": self.weights_bytes,
                 "gradients_bytes": self.gradients_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "total_bytes": self.total_bytes,
+                "margin_bytes": self.margin_bytes,
+                "margins": None if self.margins is None else self.margins.to_dict(),
+                "total_with_margin_bytes": self.needed_bytes,
                 "fits": self.fits, "weight_copy_bytes": self.constant,
                 "saved_by_module": self.saved}
 
@@ -96,29 +101,40 @@ class Estimate:
     precision: str
     checkpointing: bool
     optimizer: str
-    gpu_memory: int | None
+    gpu_memory: list  # [(the size as given, bytes)]
     lora: int | None = None
     kernels: str = "cuda"
     rows: list[Row] = field(default_factory=list)
+    config: dict = field(default_factory=dict)  # what the model was built as
+    warnings: list[str] = field(default_factory=list)
+    card: str | None = None
+    four_bit: bool = False
 
     def to_dict(self) -> dict:
+        sizes = [n for _, n in self.gpu_memory]
         return {"format": "actdesign.estimate", "model": self.model, "shape": self.shape,
                 "precision": self.precision,
                 "checkpointing": self.checkpointing, "lora_rank": self.lora,
-                "kernels": self.kernels,
-                "optimizer": self.optimizer,
-                "gpu_memory_bytes": self.gpu_memory, "rows": [r.to_dict() for r in self.rows]}
+                "four_bit": self.four_bit, "kernels": self.kernels,
+                "optimizer": self.optimizer, "card": self.card,
+                "config": self.config, "warnings": self.warnings,
+                "gpu_memory_bytes": sizes[0] if len(sizes) == 1 else sizes or None,
+                "rows": [r.to_dict() for r in self.rows]}
 
     def table(self) -> str:
-        scale, unit = size_unit(max(r.total_bytes for r in self.rows))
-        width = max(14, *(len(r.policy) + 2 for r in self.rows))
+        scale, unit = size_unit(max(r.needed_bytes for r in self.rows))
+        width = max(16, *(len(r.policy) + 2 for r in self.rows))
 
         def line(label, values):
-            return f"{label[-47:]:<48}" + "".join(f"{v / scale:>{width},.2f}" for v in values)
+            return f"{_shortened(label, 47):<48}" + "".join(f"{v / scale:>{width},.2f}"
+                                                           for v in values)
 
         checkpointing = "with" if self.checkpointing else "without"
         lora = f", LoRA rank {self.lora} on every Linear layer" if self.lora else ""
-        lines = [f"{self.model}, {self.shape}, {self.precision}{lora}, {checkpointing} "
+        lora += " over a 4-bit NF4 base (modelled)" if self.four_bit else ""
+        lines = [*([describe(self.config)] if self.config else []),
+                 *(f"warning: {w}" for w in self.warnings),
+                 f"{self.model}, {self.shape}, {self.precision}{lora}, {checkpointing} "
                  f"gradient checkpointing: estimated on fake tensors ({self.kernels.upper()} "
                  "kernels)",
                  f"{'saved for backward, ' + unit:<48}"
@@ -131,18 +147,53 @@ class Estimate:
         lines += [line(name, values) for name, values in patterns.items()]
         if any(r.constant for r in self.rows):
             lines.append(line("weight copies (once per step)", [r.constant for r in self.rows]))
-        name, states = OPTIMIZERS[self.optimizer]
         for label, attr in (("saved total", "saved_bytes"), ("activation peak", "peak_bytes"),
                             ("weights", "weights_bytes"), ("gradients", "gradients_bytes"),
-                            (f"optimizer state ({name}, {states} per parameter)",
+                            (f"optimizer state ({footprint.OPTIMIZERS[self.optimizer][0]})",
                              "optimizer_bytes"),
                             ("total", "total_bytes")):
             lines.append(line(label, [getattr(r, attr) for r in self.rows]))
-        if self.gpu_memory is not None:
-            gpu_scale, gpu_unit = size_unit(self.gpu_memory)
-            lines.append(f"{f'fits in {self.gpu_memory / gpu_scale:,.2f} {gpu_unit}':<48}"
-                         + "".join(f"{'yes' if r.fits else 'no':>{width}}" for r in self.rows))
+        lines += self._margin_lines(line, width, scale, unit)
         return "\n".join(lines)
+
+    def _margin_lines(self, line, width, scale, unit) -> list[str]:
+        margins = [r.margins for r in self.rows]
+        measured = all(m.measured for m in margins)
+        source = f"measured on {self.card}" if measured else \
+            "assumed: " + ("no card named" if self.card is None else f"{self.card} not measured")
+        shares = sorted({f"{m.share:.0%}" for m in margins})
+        lines = [f"margins ({source}):",
+                 line("  allocator: blocks rounded to 512 bytes", [m.rounding for m in margins]),
+                 line(f"  allocator: fragmentation, {'/'.join(shares)} of the peak",
+                      [m.fragmentation for m in margins]),
+                 line("  CUDA context and library workspaces", [m.context for m in margins]),
+                 line("total with margins", [r.needed_bytes for r in self.rows])]
+        for given, size in self.gpu_memory:
+            cells = []
+            for r in self.rows:
+                left = size - r.needed_bytes
+                verdict = f"yes, {left / scale:,.2f} left" if left >= 0 else \
+                    f"no, {-left / scale:,.2f} over"
+                cells.append(f"{verdict:>{width}}")
+            assumed = "" if measured else ", margins assumed"
+            lines.append(f"{f'fits in {given} ({unit}{assumed})':<48}" + "".join(cells))
+        return lines
+
+
+def describe(config: dict) -> str:
+    """The model a config built, in one line."""
+    parts = [f"{config['architecture']}: {config['parameters'] / 1e9:,.2f}B parameters"
+             if config["parameters"] >= 1e8 else
+             f"{config['architecture']}: {config['parameters']:,} parameters"]
+    for key, label in (("layers", "layers"), ("width", "width"), ("vocabulary", "vocabulary")):
+        if config.get(key) is not None:
+            parts.append(f"{label} {config[key]:,}")
+    return ", ".join(parts)
+
+
+def _shortened(name: str, width: int) -> str:
+    """A row's name in `width` characters, keeping its informative end (the module)."""
+    return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
 class _Live(TorchDispatchMode):
@@ -176,15 +227,17 @@ class _Live(TorchDispatchMode):
         allocation, n = self.live.pop(key)
         self.events.append((allocation, -n))
 
-    def peak(self, leave_out=(), between=None) -> int:
+    def peak(self, leave_out=(), between=None, rounded=False) -> int:
         """The most bytes alive at once, allocations in `leave_out` aside; with `between`, a
-        pair of event counts, the most alive from the first to the second."""
+        pair of event counts, the most alive from the first to the second; with `rounded`,
+        each block rounded up as the CUDA allocator rounds it."""
         leave_out = {self.live[k][0] for k in leave_out if k in self.live}
         start, end = between or (0, len(self.events))
         now = peak = 0
         for i, (allocation, n) in enumerate(self.events[:end]):
             if allocation not in leave_out:
-                now += n
+                now += (footprint.rounded(n) if n > 0 else -footprint.rounded(-n)) \
+                    if rounded else n
                 if i + 1 >= start:  # after event i, `i + 1` events have happened
                     peak = max(peak, now)
         return peak
@@ -228,8 +281,9 @@ KERNELS = ("cuda", "cpu")
 
 @dataclass
 class _Setup:
-    name: str
-    config: object
+    name: str  # how the model is named in the output
+    config: object  # a transformers config to build from, or None
+    module: torch.nn.Module | None  # a model object to copy, or None
     batch: int
     seq: int
     precision: str
@@ -237,6 +291,9 @@ class _Setup:
     optimizer: str
     lora: int | None
     kernels: str
+    card: cards.Card | None
+    four_bit: bool
+    example: object = None  # real inputs to run instead of random tokens
 
 
 class _ShapesOnly(FakeTensorMode):
@@ -247,100 +304,243 @@ class _ShapesOnly(FakeTensorMode):
         self.cpu_kernels = kernels == "cpu"
 
 
-def estimate(model_name: str, batch: int, seq: int, precision: str = "fp32",
+def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
              policies=("none",), checkpointing: bool = False, optimizer: str = "adamw",
-             gpu_memory: int | str | None = None, progress=None,
-             lora: int | None = None, kernels: str = "cuda") -> Estimate:
-    """Estimate one training step of a model from its config (a name models.config_of takes)
-    at `batch` x `seq`, in `precision` (one of PRECISIONS), with gradient checkpointing or
-    not: saved bytes by module, activation peak, weights, gradients and `optimizer` state, and
-    whether their sum fits in `gpu_memory` (bytes, or a size such as "24GiB") when given. One
-    row per policy (a preset, presets joined by '+', a policy dict or file). With `lora`, a
-    rank: PEFT LoRA adapters of that rank on every Linear layer but the head (alpha 2 x rank,
-    no dropout), the adapters alone trained, compressed as the policy says. `kernels`: whose
-    allocations the peak follows for our ops, the CUDA kernels' (their outputs alone) or the
-    CPU paths' (their float32 working copies too)."""
+             gpu_memory=None, progress=None, lora: int | None = None, kernels: str = "cuda",
+             card: str | None = None, four_bit: bool = False,
+             example_inputs=None) -> Estimate:
+    """Estimate one training step at `batch` x `seq`, in `precision` (one of PRECISIONS),
+    with gradient checkpointing or not: saved bytes by module, activation peak, weights,
+    gradients and `optimizer` state (footprint.OPTIMIZERS), the margins a card needs beyond
+    them, and whether it all fits in `gpu_memory` (a size such as "24GiB" or bytes, or a list
+    of them). `model`: a name `models.config_of` takes (a built-in, a local config or
+    directory, hf:<repo id>), a transformers config (or its dict), or a model object (copied
+    onto fake tensors; the object itself is untouched). One row per policy (a preset, presets
+    joined by '+', a policy dict or file). With `lora`, a rank: PEFT LoRA adapters of that
+    rank on every Linear layer but the head (alpha 2 x rank, no dropout), the adapters alone
+    trained, compressed as the policy says; with `four_bit` too, over a bitsandbytes NF4 base
+    (QLoRA), modelled: its weights at 4 bits and the largest dequantized weight added to the
+    peak. `kernels`: whose allocations the peak follows for our ops, the CUDA kernels' (their
+    outputs alone) or the CPU paths' (their float32 working copies too). `card`: whose
+    measured margins to use (cards.NAMES); without one, or unmeasured, they are assumed.
+    `example_inputs`: a batch (real tensors, any form runtime.batches reads) to run in place
+    of random tokens at `batch` x `seq`, as a model object other than a transformers model
+    needs."""
     check_precision(precision)
+    for value, what in ((batch, "batch"), (seq, "sequence length")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ActdesignError(f"the {what} must be a positive integer, got {value!r}")
     if lora is not None and not (isinstance(lora, int) and lora >= 1):
         raise ActdesignError(f"the LoRA rank must be a positive integer, got {lora!r}")
-    if optimizer not in OPTIMIZERS:
-        raise ActdesignError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
+    if four_bit and lora is None:
+        raise ActdesignError("a 4-bit base is QLoRA: give a LoRA rank too (--lora R --4bit)")
+    if optimizer not in footprint.OPTIMIZERS:
+        raise ActdesignError(f"optimizer must be one of {', '.join(footprint.OPTIMIZERS)}, "
                              f"got {optimizer!r}")
     if kernels not in KERNELS:
         raise ActdesignError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
-    policies = [policies] if isinstance(policies, str) else list(policies)
+    policies = [policies] if isinstance(policies, str | dict) else list(policies)
     loaded = [policy_mod.load(p) for p in policies]  # a bad one refused before any build
-    if isinstance(gpu_memory, str):
-        gpu_memory = parse_size(gpu_memory)
+    sizes = _sizes(gpu_memory)
+    priced_by = None if card is None else cards.card(card)
     start = time.perf_counter()
 
     def say(message):
         if progress is not None:
             progress(f"[{time.perf_counter() - start:6.1f} s] {message}")
 
-    config = models.config_of(model_name)
-    if config is None:
-        raise ActdesignError(f"model {model_name!r}: estimate builds a model from its config; "
-                             "give a built-in, a local config.json or hf:<repo id>")
-    setup = _Setup(model_name, config, batch, seq, precision, checkpointing, optimizer, lora,
-                   kernels)
-    rows = []
+    label, config, module, warnings = _source(model)
+    setup = _Setup(label, config, module, batch, seq, precision, checkpointing, optimizer,
+                   lora, kernels, priced_by, four_bit, example_inputs)
+    rows, built = [], {}
     for name, policy in zip(policies, loaded, strict=True):
-        say(f"building {model_name} on fake tensors")
+        say(f"building {label} on fake tensors")
         try:
-            rows.append(_estimate_fake(setup, name, policy, say))
+            rows.append(_estimate_fake(setup, _label(name, policy), policy, say, built))
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-            raise ActdesignError(f"model {model_name!r} cannot be estimated: it reads the "
+            raise ActdesignError(f"model {label!r} cannot be estimated: it reads the "
                                  f"values of a tensor ({exc.func}), which fake tensors do not "
                                  "have") from None
-        if gpu_memory is not None:
-            rows[-1].fits = rows[-1].total_bytes <= gpu_memory
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            # a config that builds a model whose own forward fails (sizes that do not fit)
+            raise ActdesignError(f"model {label!r}: its training step fails: "
+                                 f"{models._reason(exc)}; check its config") from None
+        fits = {given: rows[-1].needed_bytes <= n for given, n in sizes}
+        rows[-1].fits = next(iter(fits.values())) if len(fits) == 1 else fits or None
     vision = getattr(config, "image_size", None)
     shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision else f"sequence {seq}")
-    return Estimate(model_name, shape, precision, checkpointing, optimizer, gpu_memory, lora,
-                    kernels, rows)
+    return Estimate(label, shape, precision, checkpointing, optimizer, sizes, lora, kernels,
+                    rows, built, warnings, card, four_bit)
+
+
+def _label(given, policy) -> str:
+    return given if isinstance(given, str) else policy.label
+
+
+def _sizes(gpu_memory) -> list[tuple[str, int]]:
+    """[(a size as given, its bytes)] of one size or a list of them."""
+    if gpu_memory is None:
+        return []
+    given = [gpu_memory] if isinstance(gpu_memory, str | int) else list(gpu_memory)
+    out = []
+    for size in given:
+        if isinstance(size, bool) or not isinstance(size, str | int):
+            raise ActdesignError(f"a GPU memory size is a string such as 80GB, got {size!r}")
+        if isinstance(size, int):
+            if size <= 0:
+                raise ActdesignError(f"the GPU memory {size!r} must be positive")
+            out.append((f"{size:,} bytes", size))
+        else:
+            out.append((size.strip(), parse_size(size, "GPU memory")))
+    return out
+
+
+def _source(model) -> tuple[str, object, torch.nn.Module | None, list[str]]:
+    """(its name in the output, a config to build from, a model object to copy, warnings about
+    the config) of what `estimate` was given."""
+    if isinstance(model, torch.nn.Module):
+        return type(model).__name__, getattr(model, "config", None), model, []
+    if isinstance(model, str):
+        config = models.config_of(model)
+        if config is None:
+            raise ActdesignError(f"model {model!r}: estimate builds a model from its config; "
+                                 "give a built-in, a local config.json or hf:<repo id>, or the "
+                                 "model object from Python")
+        return model, config, None, models.defaulted(model, config)
+    if isinstance(model, dict):
+        return _source_of_dict(model)
+    if type(model).__module__.startswith("transformers.") and hasattr(model, "model_type"):
+        return f"{model.model_type} config", model, None, []
+    raise ActdesignError("estimate takes a model name, a transformers config (or its dict) or "
+                         f"a model object, not {type(model).__name__}")
+
+
+def _source_of_dict(data: dict):
+    transformers = models._transformers("a config dict")
+    kind = data.get("model_type")
+    if not isinstance(kind, str):
+        raise ActdesignError("a config dict needs its model_type, such as 'llama'")
+    fields = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        config = transformers.AutoConfig.for_model(kind, **fields)
+    except Exception as exc:  # noqa: BLE001  (transformers' validators raise their own types)
+        raise ActdesignError(f"the {kind} config dict cannot be used: "
+                             f"{models._reason(exc)}") from None
+    return f"{kind} config", config, None, []
 
 
 @contextlib.contextmanager
 def shapes_only(kernels: str = "cuda"):
     """Fake tensors for a shape-only step, following `kernels`' allocations for our ops (see
-    `estimate`): build the model inside (`fake_model`) and run its step inside."""
-    with _ShapesOnly(kernels), _CpuKernels(), _unpacked_sequences():
-        yield
+    `estimate`): build the model inside (`fake_model`, `fake_copy`) and run its step
+    inside. Yields the fake mode."""
+    with _ShapesOnly(kernels) as mode, _CpuKernels(), _unpacked_sequences():
+        yield mode
 
 
 def fake_model(name: str, config, precision: str = "fp32", lora=None):
     """The model of a config on fake tensors, in training mode (call inside `shapes_only`):
-    in bfloat16 for precision bf16, with PEFT LoRA adapters when given `lora`, a rank (see
-    `_with_lora`) or a peft.LoraConfig."""
+    in bfloat16 where the precision says (`bf16_weights`), with PEFT LoRA adapters when given
+    `lora`, a rank (see `_with_lora`) or a peft.LoraConfig."""
     with _no_initialization(), _conversions_in_place():
         model = models._from_config(name, config).train()
-        if precision == "bf16":
-            model.to(torch.bfloat16)
-        if lora is not None:
-            model = _with_lora(name, model, lora)
+        return _converted(model, name, precision, lora)
+
+
+def fake_copy(module: torch.nn.Module, mode, precision: str = "fp32", lora=None):
+    """A copy of `module` whose parameters and buffers are fake tensors of `mode` (shared ones
+    shared), in training mode, converted as `fake_model` converts; the module is untouched."""
+    memo = {}
+    with unset_fake_temporarily():  # the real tensors read as they are, in the mode or not
+        for t in (*module.parameters(), *module.buffers()):
+            if id(t) not in memo:
+                fake = mode.from_tensor(t.detach())
+                memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) \
+                    if isinstance(t, torch.nn.Parameter) else fake
+    with _conversions_in_place():
+        return _converted(copy.deepcopy(module, memo).train(), type(module).__name__,
+                          precision, lora)
+
+
+def _converted(model, name, precision, lora):
+    if bf16_weights(precision):
+        model.to(torch.bfloat16)
+    if lora is not None:
+        model = _with_lora(name, model, lora)
     return model
 
 
-def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say) -> Row:
-    with shapes_only(setup.kernels):
-        model = fake_model(setup.name, setup.config, setup.precision, setup.lora)
+def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, built: dict) -> Row:
+    with shapes_only(setup.kernels) as mode:
+        if setup.module is not None:
+            model = fake_copy(setup.module, mode, setup.precision, setup.lora)
+        else:
+            model = fake_model(setup.name, setup.config, setup.precision, setup.lora)
+        built.update(_built(model))
         if policy.rules:
             say(f"compressing with {policy.label}")
             compress(model, policy)
         if setup.checkpointing:
             _checkpointing(setup.name, model)
-        inputs = models.example_batch(model, setup.batch, setup.seq)
+        if setup.example is None:
+            inputs = models.example_batch(model, setup.batch, setup.seq)
+        else:
+            with unset_fake_temporarily():
+                inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor)
+                                  else t, setup.example)
         if setup.precision == "bf16":
             inputs = _to(inputs, "cpu", torch.bfloat16)
         weights = _distinct((*model.parameters(), *model.buffers()))
         trainable = _distinct(p for p in model.parameters() if p.requires_grad)
+        quantized = _quantized(model) if setup.four_bit else {}
         say("one training step")
-        saved, peak = step(model, inputs, setup.precision)
-    gradients = sum(t.untyped_storage().nbytes() for t in trainable.values())
-    return Row(name, saved.by_module, saved.total, saved.constant, peak,
-               sum(t.untyped_storage().nbytes() for t in weights.values()), gradients,
-               OPTIMIZERS[setup.optimizer][1] * gradients)
+        peaks = {}
+        saved, peak = step(model, inputs, setup.precision, peaks=peaks)
+    nbytes = {k: t.untyped_storage().nbytes() for k, t in weights.items()}
+    grads = [nbytes[k] for k in trainable]
+    weights_bytes = sum(nbytes.values())
+    if quantized:  # the base's Linear weights at 4 bits; one dequantized at a time
+        weights_bytes -= sum(nbytes[k] - footprint.nf4_bytes(t.numel())
+                             for k, t in quantized.items())
+        transient = max(nbytes[k] for k in quantized)
+        peak, peaks["rounded"] = peak + transient, peaks["rounded"] + transient
+    rounding = peaks["rounded"] - peak + sum(footprint.rounded(n) - n
+                                             for n in (*nbytes.values(), *grads))
+    margins = footprint.margins(setup.card, footprint.family_of(policy, setup.checkpointing),
+                                peak, rounding)
+    return Row(name, saved.by_module, saved.total, saved.constant, peak, weights_bytes,
+               sum(grads), footprint.optimizer_bytes(setup.optimizer, trainable.values()),
+               margins)
+
+
+def _built(model) -> dict:
+    """What was built, for the one-line echo: architecture, parameters, layers, width and
+    vocabulary (adapters aside)."""
+    base = models.transformers_model(model) or model
+    config = getattr(base, "config", None)
+    parameters = sum(t.numel() for n, t in _named_distinct(base) if "lora_" not in n)
+    return {"architecture": type(base).__name__, "parameters": parameters,
+            **{key: getattr(config, attr, None) for key, attr in (
+                ("layers", "num_hidden_layers"), ("width", "hidden_size"),
+                ("vocabulary", "vocab_size"))}}
+
+
+def _named_distinct(model):
+    seen = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if storage_key(p) not in seen:
+            seen.add(storage_key(p))
+            yield name, p
+
+
+def _quantized(model) -> dict:
+    """The weights a 4-bit base holds at 4 bits: every frozen Linear's but the head's (as
+    transformers quantizes them), by storage."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    return {storage_key(m.weight): m.weight for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
+            and (head_weight is None or storage_key(m.weight) != storage_key(head_weight))}
 
 
 def fake_step(model, example, policy: policy_mod.Policy, precision: str,
@@ -350,19 +550,11 @@ def fake_step(model, example, policy: policy_mod.Policy, precision: str,
     (real tensors: a tensor, a tuple or a dict). `counter`, a dispatch mode such as torch's
     FlopCounterMode, watches the step. `window_peaks`: as `step`'s."""
     mode = _ShapesOnly(kernels)
-    memo = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in memo:
-            fake = mode.from_tensor(t.detach())
-            memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) \
-                if isinstance(t, torch.nn.Parameter) else fake
     inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                       example)
     with mode, _CpuKernels(), _unpacked_sequences():
-        copy_ = copy.deepcopy(model, memo).train()
+        copy_ = fake_copy(model, mode, precision)
         if precision == "bf16":
-            with _conversions_in_place():
-                copy_.to(torch.bfloat16)
             inputs = _to(inputs, "cpu", torch.bfloat16)
         if policy.rules:
             compress(copy_, policy)
@@ -370,12 +562,13 @@ def fake_step(model, example, policy: policy_mod.Policy, precision: str,
             return step(copy_, inputs, precision, window_peaks)
 
 
-def step(model, inputs, precision, window_peaks=None) -> tuple:
+def step(model, inputs, precision, window_peaks=None, peaks=None) -> tuple:
     """(SavedBytes, activation peak) of one forward and backward of `model` on `inputs`, fake
     or real tensors alike: the peak is the most bytes alive at once of the storages the step
     makes, the parameters' gradients aside. `window_peaks`, a dict keyed by module names, gets
     for each the most bytes alive while its backward ran (from its output's gradient to its
-    input's), where it ran once."""
+    input's), where it ran once. `peaks`, a dict, gets "rounded": the peak with every block
+    rounded up as the CUDA allocator rounds it."""
     weights = _distinct((*model.parameters(), *model.buffers()))
     given = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]  # any batch form
     live = _Live((*weights, *_distinct(given)))
@@ -400,6 +593,8 @@ def step(model, inputs, precision, window_peaks=None) -> tuple:
     for name, window in marks.items():
         if window["calls"] == 1 and len(window["events"]) == 2:
             window_peaks[name] = live.peak(grads, between=window["events"])
+    if peaks is not None:
+        peaks["rounded"] = live.peak(grads, rounded=True)
     return saved, live.peak(grads)
 
 
