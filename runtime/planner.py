@@ -39,16 +39,18 @@ from __future__ import annotations
 import copy
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from actdesign.designer import plan as solver
 from actdesign.errors import ActdesignError
+from actdesign.options import parse_budget
 
 from . import batches as batch_forms
 from . import cards, models
+from . import explain as explain_mod
 from . import policy as policy_mod
 from .compress import compress, match
 from .sharing import whole
@@ -103,17 +105,20 @@ class MemoryPlan:
     budget: int
     max_slowdown: float
     timings: dict = field(default_factory=dict)
+    explanation: explain_mod.Explanation | None = None  # presets, the lossless hint, noise
 
     def rows(self) -> list[tuple[str, str, int, float, float]]:
-        """(site, choice, bytes, error, time) per site and block."""
+        """(site or block, choice, bytes saved against keeping it whole, error, time) for
+        every site a lossy option took and every block recomputed."""
         p, out = self.costs.problem, []
         for site, s, c in zip(self.costs.sites, p.sites, self.solution.choice, strict=True):
-            o = s.options[c]
-            out.append((site.name, o.name, o.bytes, o.error, o.time))
+            if c:
+                o = s.options[c]
+                out.append((site.name, o.name, s.options[0].bytes - o.bytes, o.error, o.time))
         for name, b, on in zip(self.costs.blocks, p.blocks, self.solution.recomputed,
                                strict=True):
             if on:
-                out.append((name, "checkpoint", b.input_bytes, 0.0, b.time))
+                out.append((name, "checkpoint", b.inner_bytes - b.input_bytes, 0.0, b.time))
         return out
 
     def report(self) -> dict:
@@ -130,35 +135,53 @@ class MemoryPlan:
                 "calibration": self.costs.calibration,
                 "calibration_passes_per_batch": self.costs.passes,
                 "seconds": self.timings,
-                "sites": [{"site": s, "choice": c, "bytes": b, "error": e, "time_s": t}
+                "sites": [{"site": s, "choice": c, "saved_bytes": b, "error": e, "time_s": t}
                           for s, c, b, e, t in self.rows()],
+                "explanation": None if self.explanation is None else
+                self.explanation.to_dict(self.solution.error),
                 "policy": self.policy.to_dict()}
 
+    def _measured(self) -> str:
+        e = self.explanation
+        if e is None or e.chosen is not None:
+            return ""  # a chosen preset's error is its measured one
+        return f" (modelled; measured {e.measured_error:.3g})"
+
     def table(self) -> str:
-        lines = [f"{'site':<48}{'choice':>12}{'bytes':>14}{'error':>12}{'time, ms':>10}"]
-        for site, choice, n, e, t in self.rows():
-            lines.append(f"{site[-47:]:<48}{choice:>12}{n:>14,}{e:>12.3g}{t * 1e3:>10.3f}")
         base = self.costs.problem.base_time
-        lines.append(f"planned: peak {self.peak_bytes:,} bytes (budget {self.budget:,}), saved "
-                     f"{self.saved_bytes:,} (uncompressed {self.costs.baseline_saved:,}), "
-                     f"gradient error {self.solution.error:.3g}, time "
-                     f"{self.solution.time / base:.3f}x ({self.costs.card.describe()})")
+        lines = [f"{'site (lossy choices and recomputed blocks)':<48}{'choice':>12}"
+                 f"{'saved MiB':>11}{'error':>11}{'time ms':>10}{'of step':>9}"]
+        for site, choice, n, e, t in self.rows():
+            lines.append(f"{_tail(site, 47):<48}{choice:>12}{n / 2**20:>11.3f}{e:>11.3g}"
+                         f"{t * 1e3:>10.3g}{t / base:>9.2%}")
+        if not self.rows():
+            lines.append("(none: every site keeps its input, the lossless ops apply)")
+        lines.append(f"planned: peak {self.peak_bytes / 2**20:,.2f} MiB ({self.peak_bytes:,} "
+                     f"bytes; budget {self.budget:,}), saved {self.saved_bytes / 2**20:,.2f} MiB "
+                     f"(uncompressed {self.costs.baseline_saved / 2**20:,.2f}), gradient "
+                     f"error {self.solution.error:.3g}{self._measured()}, time "
+                     f"{self.solution.time / base:.3f}x "
+                     f"of a {base * 1e3:.3g} ms step ({self.costs.card.describe()})")
         lines.append(f"errors measured on {self.costs.calibration}")
+        if self.explanation is not None:
+            lines += explain_mod.lines(self, self.explanation)
         return "\n".join(lines)
 
 
 def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="bf16-autocast",
          max_slowdown: float = 1.10, device: str = "h200", kernels: str = "cuda",
-         calibration: str = "the given batches", progress=None) -> MemoryPlan:
+         calibration: str = "the given batches", progress=None,
+         explain: bool = True) -> MemoryPlan:
     """The policy with the least gradient error whose training step, at the shape of
     `example_inputs` (default: the first batch), has an activation peak within `budget`
     (bytes, a size such as "20GiB", or a fraction of the uncompressed model's saved bytes)
     and a modelled step time within `max_slowdown` times the lossless one's. `batches`: the
     calibration batches, in any form of `runtime.batches` (a tensor, a dict of keyword inputs,
     a tuple of positional inputs or an (inputs, targets) pair; a transformers model given
-    labels computes its own loss). The model is not changed."""
-    from .estimate import parse_size
-
+    labels computes its own loss). With `explain`, the plan also holds every preset beside
+    it, the lossless plan a larger slowdown would allow, and its error beside the gradient's
+    own noise (runtime.explain). The model is not changed."""
+    limit = parse_budget(budget)  # a bad budget refused before anything is measured
     card = cards.card(device)
     if not (isinstance(max_slowdown, int | float) and max_slowdown >= 1):
         raise ActdesignError(f"max_slowdown must be a number >= 1, got {max_slowdown!r}")
@@ -169,24 +192,31 @@ def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="b
     clock = Clock(progress)
     costs = measure_costs(model, batches, example, precision, card, kernels, calibration,
                           clock)
-    limit = _budget_bytes(budget, costs.baseline_saved, parse_size)
-    return solve_verified(model, example, costs, limit, max_slowdown, precision, kernels,
-                          clock)
+    if isinstance(limit, float):  # a fraction of the uncompressed model's saved bytes
+        limit = int(limit * costs.baseline_saved)
+    result = solve_verified(model, example, costs, limit, max_slowdown, precision, kernels,
+                            clock)
+    if explain:
+        clock.say("the presets and the alternatives, for the explanation")
+        shapes = ShapeSteps(model, example, precision, kernels)
+        presets = {n: preset_policy(costs, n) for n in PRESETS}
+        explanation = explain_mod.explain(result, shapes, list(presets.items()))
+        better = explain_mod.better_preset(explanation)
+        if better is not None:  # a preset that fits measured better: it is the plan
+            policy = presets[better.label]
+            step = shapes.run(policy)
+            solution = replace(explain_mod.preset_solution(costs, policy), error=better.error)
+            result = replace(result, policy=policy, saved_bytes=step.saved.total,
+                             peak_bytes=step.peak, solution=solution)
+            explanation.chosen = better.label
+        result.explanation = explanation
+        clock.lap("explain")
+    return result
 
 
-def _budget_bytes(budget, baseline, parse_size) -> int:
-    if isinstance(budget, str):
-        text = budget.strip()
-        if re.fullmatch(r"\d*\.?\d+", text):
-            budget = float(text)
-        else:
-            return parse_size(text)
-    if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
-        raise ActdesignError(f"the budget must be a size (20GiB) or a positive fraction of the "
-                             f"uncompressed saved bytes, got {budget!r}")
-    if isinstance(budget, float) and budget <= 4:  # a fraction
-        return int(budget * baseline)
-    return int(budget)
+def _tail(name: str, width: int) -> str:
+    """A name in `width` characters, keeping its informative end."""
+    return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
 class Clock:
@@ -450,6 +480,18 @@ class Reference:
             raise ActdesignError("the calibration batches give a zero gradient: nothing to "
                                  "plan")
 
+    @property
+    def noise(self) -> float | None:
+        """The gradient's own noise on the calibration batches, n/(n-1) Σ_b ‖g_b - ḡ‖²
+        / Σ_b ‖g_b‖² (unbiased; the error's normalisation); None with one batch."""
+        n = len(self.grads)
+        if n < 2:
+            return None
+        names = self.grads[0].keys()
+        mean = {k: sum(g[k].double() for g in self.grads) / n for k in names}
+        spread = sum(_energy(_differences(g, mean).values()) for g in self.grads)
+        return n / (n - 1) * spread / self.energy
+
     def error(self, policy) -> float:
         """E‖ĝ − g‖² / E‖g‖² of the model compressed by `policy`."""
         trial = calibration_copy(self.model, policy)
@@ -570,43 +612,96 @@ class _local_errors:
 def solve_verified(model, example, costs: Costs, budget: int, max_slowdown, precision,
                    kernels, clock, attempts: int = 6) -> MemoryPlan:
     """The solver's plan, checked by a shape-only step of the policy it gives; over the
-    budget, planned again under a budget lowered by the excess. Where that leaves no plan, the
-    plan of the least modelled peak is taken if its exact peak fits; else the budget is
-    refused, naming that exact peak."""
+    budget, planned again under a budget lowered by the excess. Where that leaves no plan,
+    the least-error plan among `candidates` whose exact peak fits. Else the budget is
+    refused, naming the smallest budget this function meets: a plan peaks at it exactly,
+    and one byte less is refused."""
     problem = costs.problem
     max_time = max_slowdown * problem.base_time
-    shapes = ShapeSteps(model, example, precision, kernels)
+    verify = _Verify(model, example, costs, precision, kernels, max_slowdown, clock)
+    result = _attempts(verify, problem, budget, max_time, attempts, clock)
+    found = None
+    if result is None:
+        found = candidates(verify, problem, max_time, attempts, clock)
+        fits = [c for c in found if c.peak_bytes <= budget]
+        if fits:
+            result = min(fits, key=lambda c: (c.solution.error, c.solution.time, c.peak_bytes))
+    if result is not None:
+        clock.lap("solve")
+        return replace(result, budget=budget)
+    least = min(found, key=lambda c: c.peak_bytes)
+    modelled = solver.smallest_peak(problem, max_time).peak
+    raise ActdesignError(
+        f"the budget {budget:,} bytes cannot be met within {max_slowdown:.2f}x time: the "
+        f"smallest budget plan meets is {least.peak_bytes / 2**20:,.2f} MiB "
+        f"({least.peak_bytes:,} bytes; a plan peaks there exactly, one byte less is "
+        f"refused). The search is approximate: the least of {len(found)} plans checked from "
+        f"the least modelled peak ({modelled:,} bytes) up, so a plan outside them might peak "
+        "lower")
 
-    def checked(solution):
-        policy = plan_policy(costs, solution)
-        step = shapes.run(policy)
-        return MemoryPlan(policy, costs, solution, step.saved.total, step.peak, budget,
-                          max_slowdown, clock.marks)
 
+class _Verify:
+    """Plans priced exactly by a shape-only step of the policy each gives, each once."""
+
+    def __init__(self, model, example, costs, precision, kernels, max_slowdown, clock):
+        self.shapes = ShapeSteps(model, example, precision, kernels)
+        self.costs, self.max_slowdown, self.clock = costs, max_slowdown, clock
+        self.memo = {}
+
+    def __call__(self, solution) -> MemoryPlan:
+        key = (solution.choice, solution.recomputed)
+        if key not in self.memo:
+            policy = plan_policy(self.costs, solution)
+            step = self.shapes.run(policy)
+            self.memo[key] = policy, step.saved.total, step.peak
+        policy, saved, peak = self.memo[key]
+        return MemoryPlan(policy, self.costs, solution, saved, peak, peak, self.max_slowdown,
+                          self.clock.marks)
+
+
+def _attempts(verify, problem, budget, max_time, attempts, clock) -> MemoryPlan | None:
+    """The solver's plan under `budget`, planned again under a budget lowered by the excess
+    while its exact peak is over: a plan within `budget`, or None."""
     target = budget
     for _ in range(attempts):
         try:
-            result = checked(solver.solve(problem, target, max_time))
+            result = verify(solver.solve(problem, target, max_time))
         except ActdesignError:  # none under the lowered (or modelled) budget
-            break
+            return None
         if result.peak_bytes <= budget:
-            clock.lap("solve")
             return result
         target -= result.peak_bytes - budget
         clock.say(f"the planned peak {result.peak_bytes:,} is over the budget: planning again")
-    least = checked(solver.smallest_peak(problem, max_time))
-    if least.peak_bytes <= budget:
-        clock.lap("solve")
-        return least
-    raise ActdesignError(f"the budget {budget:,} bytes cannot be met: the smallest feasible is "
-                         f"{least.peak_bytes / 2**20:.1f} MiB ({least.peak_bytes:,} bytes) "
-                         f"within {max_slowdown:.2f}x time")
+    return None
+
+
+def candidates(verify, problem, max_time, attempts, clock, steps: int = 8) -> list:
+    """The plans near the least modelled peak, verified: the least-peak plan, the front at
+    `steps` budgets from its modelled peak to its exact one, then the solver's plan under
+    one byte less than the least exact peak found, again while one is found. Deterministic
+    for a problem, so the smallest of them is a budget `solve_verified` meets, and one byte
+    less is one it refuses."""
+    least = verify(solver.smallest_peak(problem, max_time))
+    found = {least.solution: least}
+    low, high = least.solution.peak, least.peak_bytes
+    if high > low:
+        for s in solver.front(problem, [low + (high - low) * k // (steps - 1)
+                                        for k in range(steps)], max_time):
+            found.setdefault(s, verify(s))
+    while True:
+        lowest = min(found.values(), key=lambda c: c.peak_bytes)
+        below = _attempts(verify, problem, lowest.peak_bytes - 1, max_time, attempts, clock)
+        if below is None:
+            return list(found.values())
+        found[below.solution] = below
 
 
 def smallest_budget(model, example, costs: Costs, max_slowdown, precision, kernels) -> int:
-    """The exact peak of the plan of the least modelled peak: a budget `solve_verified` meets."""
-    least = solver.smallest_peak(costs.problem, max_slowdown * costs.problem.base_time)
-    return ShapeSteps(model, example, precision, kernels).run(plan_policy(costs, least)).peak
+    """The smallest budget `solve_verified` meets: the least exact peak of its candidates."""
+    problem = costs.problem
+    verify = _Verify(model, example, costs, precision, kernels, max_slowdown, Clock(None))
+    found = candidates(verify, problem, max_slowdown * problem.base_time, 6, Clock(None))
+    return min(c.peak_bytes for c in found)
 
 
 def plan_policy(costs: Costs, solution) -> policy_mod.Policy:
@@ -660,9 +755,10 @@ def front(plan: MemoryPlan, count: int = 20) -> list:
 
 
 def draw_front(plan: MemoryPlan, model, batches, example, precision, path,
-               progress=None) -> None:
+               progress=None, kernels="cuda") -> None:
     """The error-memory front (modelled), the presets at their exact peaks and measured
-    errors, and the plan at its own."""
+    errors (hollow, and named so, where over the budget or the time limit), and the plan at
+    its own."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -672,20 +768,26 @@ def draw_front(plan: MemoryPlan, model, batches, example, precision, path,
     from actdesign.report import save_figure
 
     check_writable(path)
-    if progress is not None:
-        progress("pricing the presets for the plot")
-    points = [measure_policy(plan, model, example, precision, preset_policy(plan.costs, n), n)
-              for n in PRESETS]
+    shapes = ShapeSteps(model, example, precision, kernels)
+    explanation = plan.explanation
+    if explanation is None:
+        if progress is not None:
+            progress("pricing the presets for the plot")
+        explanation = explain_mod.explain(
+            plan, shapes, [(n, preset_policy(plan.costs, n)) for n in PRESETS])
     planned = Point("plan", plan.saved_bytes, plan.peak_bytes,
                     plan.costs.reference.error(plan.policy))
     curve = front(plan)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.step([s.peak / 2**20 for s in curve], [max(s.error, 1e-12) for s in curve],
             where="post", label="plan front (modelled)")
-    for point in points:
-        ax.plot(point.peak / 2**20, max(point.error, 1e-12), "o", color="tab:gray")
-        ax.annotate(point.label, (point.peak / 2**20, max(point.error, 1e-12)), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
+    for row in explanation.presets:  # hollow: over the budget or the time limit
+        broken = [m for m, on in (("over budget", row.over_budget),
+                                  ("over time", row.over_time)) if on]
+        xy = (row.peak / 2**20, max(row.error, 1e-12))
+        ax.plot(*xy, "o", color="tab:gray", fillstyle="none" if broken else "full")
+        ax.annotate(row.label + (f" ({', '.join(broken)})" if broken else ""), xy,
+                    fontsize=7, xytext=(4, 3), textcoords="offset points")
     ax.plot(planned.peak / 2**20, max(planned.error, 1e-12), "*", color="tab:red",
             markersize=12, label="this plan (measured)")
     ax.axvline(plan.budget / 2**20, color="tab:red", linestyle=":", label="budget")
