@@ -15,7 +15,10 @@
 #      16 x 1024 and the 1B LLaMA at 4 x 4096;
 #   costs: benchmarks/gpu_costs.py measures the card's costs for the planner (written to
 #      OUTDIR and installed into runtime/cards/: commit the file), then gpu_plan.py plans
-#      the 1B LLaMA with them and sets the predicted step time beside the measured one.
+#      the 1B LLaMA with them and sets the predicted step time beside the measured one;
+#   margins: benchmarks/gpu_margins.py measures the card's memory margins for `estimate`
+#      (the CUDA context, the allocator's fragmentation per policy family; merged into the
+#      same card file), then runs a real step where the estimate fits with little to spare.
 # Memory and exactness (2026-12-04 on an H200: estimate about 65 s, gpu_check 90 s, lora_memory
 # 80 s without Liger and Unsloth):
 #   estimate: `actdesign estimate`'s activation peak and saved bytes for the built-in llama at
@@ -93,6 +96,8 @@ if [[ $stages == *,costs,* ]]; then
     stage costs_plan 240 python benchmarks/gpu_plan.py --device cuda --budget 0.35 \
         --card "$card"
 fi
+stage margins 300 python benchmarks/gpu_margins.py --card "$card" --install \
+    --out "$out/${card}_margins.json"
 stage plan 240 python benchmarks/gpu_plan.py --device cuda --budget 0.35 --card "$card"
 stage estimate 120 python benchmarks/gpu_estimate.py --device cuda --markdown
 stage lora_memory 200 python benchmarks/lora_memory.py --device cuda --model llama-1b --seq 4096 \
