@@ -99,3 +99,16 @@ def test_the_gpu_stage_writes_what_the_planner_reads(tmp_path, monkeypatch):
     labels = {planner.option_label(m, o) for kind in ("activation", "linear")
               for m, o in planner.OPTIONS[kind]}
     assert set(card.option_s_per_byte) == labels
+
+
+def test_a_card_measured_for_its_margins_alone_keeps_its_roofline(tmp_path, monkeypatch):
+    """benchmarks/gpu_margins.py may run without gpu_costs.py: the file then holds the margins
+    alone, which estimate reads, while the planner's time stays the roofline."""
+    (tmp_path / "h100.json").write_text(json.dumps({
+        "device": "NVIDIA H100", "model": "llama", "shape": "8 x 1024", "date": "2026-12-06",
+        "context_bytes": 700 * 2**20, "fragmentation": {"eager": 0.03, "llm": 0.05}}))
+    monkeypatch.setattr(cards, "CARDS", tmp_path)
+    card = cards.card("h100")
+    assert card.measured is None and card.flops_per_s == cards.VENDOR["h100"][0]
+    assert card.margins("llm") == (700 * 2**20, 0.05, True)
+    assert card.margins("checkpointing") == (700 * 2**20, cards.ASSUMED_FRAGMENTATION, False)

@@ -109,14 +109,15 @@ ERRORS = {
     "bad policy": (["profile", "--model", "usermodels:build", "--policy", "fewbit9"],
                    "unknown policy"),
     "bad precision": (["profile", "--model", "usermodels:build", "--precision", "fp16"],
-                      "'fp16' is not one of 'fp32', 'bf16-autocast', 'bf16'"),
+                      "'fp16' is not one of 'fp32', 'bf16-autocast', "
+                      "'bf16-weights-autocast', 'bf16'"),
     "bad policy file": (["profile", "--model", "usermodels:build", "--policy", "p.json"],
                         "not found"),
     "bad data": (["calibrate", "--model", "usermodels:build", "--data", "usermodels:not_batches",
                   "--out", "out.json"], "not an iterable"),
     "bad calibrate policy": (["calibrate", "--model", "usermodels:build", "--data",
                               "usermodels:batches", "--policy", "x+y", "--out", "out.json"],
-                             "unknown policy"),
+                             "unknown preset 'x' in policy 'x+y'"),
 }
 
 

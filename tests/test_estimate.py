@@ -24,7 +24,7 @@ def measured(name, batch, seq, precision, checkpointing):
     """profile's own measurement of one real training step (saved bytes, weight copies)."""
     model, _ = models.build(name)
     model.train()
-    if precision == "bf16":
+    if profile_mod.bf16_weights(precision):
         model.to(torch.bfloat16)  # the inputs are token ids: nothing else to cast
     if checkpointing:
         _checkpointing(name, model)
@@ -38,7 +38,7 @@ def measured(name, batch, seq, precision, checkpointing):
 # step skips (gpt2 with checkpointing, 2 x 16 x 16 bytes) stays under 1% at (2, 16).
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "bert-tiny"])
 @pytest.mark.parametrize("shape", [(2, 16), (3, 40)])
-@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16-weights-autocast", "bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_saved_bytes_match_profile(name, shape, precision, checkpointing):
     row = estimate(name, *shape, precision, checkpointing=checkpointing).rows[0]
@@ -195,7 +195,18 @@ def test_policy_file_and_lora_from_the_cli(capsys, tmp_path):
     (["--policy", "none", "--policy", "fewbit9"], "unknown policy 'fewbit9'"),
     (["--policy", "missing.json"], "policy file 'missing.json' not found"),
     (["--lora", "0"], "Invalid value for '--lora'"),
-    (["--gpu-memory", "lots"], "cannot read the size 'lots'"),
+    (["--gpu-memory", "lots"], "cannot read the GPU memory 'lots'"),
+    (["--gpu-memory", "20"], "the GPU memory '20' needs a unit: GB, GiB, MB or MiB"),
+    (["--gpu-memory", "24GiB", "--gpu-memory", "0GB"], "the GPU memory '0GB' must be positive"),
+    (["--gpu-memory", "-1GB"], "the GPU memory '-1GB' must be positive"),
+    (["--gpu-memory", "20 parsecs"], "unknown unit 'parsecs'"),
+    (["--policy", "llm+actn2"], "unknown preset 'actn2' in policy 'llm+actn2' (did you mean "
+                                "'actnn2'?)"),
+    (["--4bit"], "--4bit is QLoRA: give --lora RANK too"),
+    (["--model", "/no/such/dir"], "model '/no/such/dir': no such directory"),
+    (["--model", "./missing/config.json"], "no such file"),
+    # options are read before any model is built: a bad size, not the bad model, is said
+    (["--model", "/no/such/dir", "--gpu-memory", "0GB"], "'0GB' must be positive"),
     (["--model", "usermodels:build"], "from its config"),
 ])
 def test_cli_refusals_are_one_line(capsys, tmp_path, argv, words):
@@ -218,15 +229,185 @@ def test_python_refusals():
         estimate("gpt2-tiny", 2, 16, lora=0)
     with pytest.raises(ActdesignError, match="kernels must be one of cuda, cpu"):
         estimate("gpt2-tiny", 2, 16, kernels="tpu")
-    with pytest.raises(ActdesignError, match="optimizer must be one of adamw"):
-        estimate("gpt2-tiny", 2, 16, optimizer="sgd")
+    with pytest.raises(ActdesignError, match="optimizer must be one of adamw, adamw8bit"):
+        estimate("gpt2-tiny", 2, 16, optimizer="lion")
     with pytest.raises(ActdesignError, match="precision must be one of"):
         estimate("gpt2-tiny", 2, 16, precision="fp16")
+    with pytest.raises(ActdesignError, match="a 4-bit base is QLoRA"):
+        estimate("gpt2-tiny", 2, 16, four_bit=True)
+    with pytest.raises(ActdesignError, match="the batch must be a positive integer"):
+        estimate("gpt2-tiny", 0, 16)
+    with pytest.raises(ActdesignError, match="estimate takes a model name, a transformers "):
+        estimate(3, 2, 16)
+    with pytest.raises(ActdesignError, match="is not a multiple of the number of attention"):
+        estimate({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5}, 2, 16)
 
 
 def test_parse_size():
+    from actdesign.options import parse_budget
+
     assert parse_size("24GiB") == 24 * 2**30
     assert parse_size("80GB") == 80 * 10**9
     assert parse_size("1.5 TiB") == int(1.5 * 2**40)
-    with pytest.raises(ActdesignError, match="24GiB"):
-        parse_size("24 parsecs")
+    assert parse_size("512MiB") == 2**29
+    for text, words in (("24 parsecs", "unknown unit 'parsecs'"), ("20", "needs a unit"),
+                        ("0GB", "must be positive"), ("-3GiB", "must be positive"),
+                        ("lots", "cannot read")):
+        with pytest.raises(ActdesignError, match=words):
+            parse_size(text)
+    assert parse_budget("0.35") == 0.35 and parse_budget("2.4MiB") == int(2.4 * 2**20)
+    assert parse_budget(1.0) == 1.0 and parse_budget(123) == 123
+    for text, words in (("-1", r"in \(0, 1\]"), ("0", r"in \(0, 1\]"), ("1.5", "give a unit"),
+                        ("0GB", "must be positive"), (0, "must be positive"),
+                        (True, "a size or a fraction")):
+        with pytest.raises(ActdesignError, match=words):
+            parse_budget(text)
+
+
+def test_the_total_fits_with_its_margins_and_says_by_how_much(capsys):
+    """`fits` compares the total with its margins (allocator rounding and fragmentation, the
+    CUDA context), each size given answered in one call; unmeasured margins say so."""
+    code, out, err = run(capsys, "estimate", "--model", "llama-tiny", "--batch", "2", "--seq",
+                         "16", "-p", "none", "-p", "llm", "--gpu-memory", "1.2GiB",
+                         "--gpu-memory", "1GiB", "--json", "-")
+    assert code == 0, err
+    result = json.loads(out)
+    for row in result["rows"]:
+        m = row["margins"]
+        assert m["context_bytes"] == 2**30 and m["measured"] is False  # assumed
+        assert m["fragmentation_bytes"] == int(0.10 * row["peak_bytes"])
+        assert 0 < m["rounding_bytes"] < 10**6
+        assert row["margin_bytes"] == m["rounding_bytes"] + m["fragmentation_bytes"] + \
+            m["context_bytes"]
+        assert row["total_with_margin_bytes"] == row["total_bytes"] + row["margin_bytes"]
+        # the total alone fits in 1 GiB; with its margins it does not
+        assert row["total_bytes"] < 2**30 < row["total_with_margin_bytes"] < 1.2 * 2**30
+        assert row["fits"] == {"1.2GiB": True, "1GiB": False}
+    code, out, err = run(capsys, "estimate", "--model", "llama-tiny", "--batch", "2", "--seq",
+                         "16", "--gpu-memory", "1.2GiB", "--gpu-memory", "1GiB")
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("fits in")]
+    assert lines[0].startswith("fits in 1.2GiB (GiB, margins assumed)")
+    assert lines[0].endswith("yes, 0.20 left")
+    assert lines[1].startswith("fits in 1GiB (GiB, margins assumed)")
+    assert lines[1].endswith("no, 0.00 over")
+    assert "margins (assumed: no card named):" in out
+
+
+def test_a_measured_card_gives_its_margins(tmp_path, monkeypatch):
+    from actdesign.runtime import cards
+
+    (tmp_path / "h100.json").write_text(json.dumps({
+        "device": "NVIDIA H100", "model": "llama-1b", "shape": "1 x 4096", "date": "2026-12-06",
+        "flops_per_s": 4e14, "bytes_per_s": 3e12, "context_bytes": 600 * 2**20,
+        "fragmentation": {"eager": 0.02, "llm": 0.04, "checkpointing": 0.08}}))
+    monkeypatch.setattr(cards, "CARDS", tmp_path)
+    result = estimate("llama-tiny", 2, 16, policies=["none", "llm"], checkpointing=False,
+                      card="h100", gpu_memory="80GB")
+    eager, llm = (r.margins for r in result.rows)
+    assert eager.measured and eager.context == 600 * 2**20
+    assert eager.share == 0.02 and llm.share == 0.04
+    assert "margins (measured on h100)" in result.table()
+    checkpointed = estimate("llama-tiny", 2, 16, policies=["llm"], checkpointing=True,
+                            card="h100").rows[0].margins
+    assert checkpointed.share == 0.08
+    unmeasured = estimate("llama-tiny", 2, 16, card="h200").rows[0].margins
+    assert not unmeasured.measured and unmeasured.context == 2**30
+
+
+def test_optimizers_and_precisions_users_run():
+    """AdamW keeps two moments in the parameter's dtype, 8-bit AdamW two bytes (and a float32
+    scale per 256) for tensors of 4,096 elements or more, SGD and none nothing. bf16 weights
+    under autocast halve the weights, as bf16 does, and keep autocast's saved bytes."""
+    rows = {o: estimate("llama-tiny", 2, 16, optimizer=o).rows[0]
+            for o in ("adamw", "adamw8bit", "sgd", "none")}
+    weights = rows["adamw"].gradients_bytes  # float32: every parameter is trained
+    assert rows["adamw"].optimizer_bytes == 2 * weights
+    assert rows["sgd"].optimizer_bytes == rows["none"].optimizer_bytes == 0
+    assert weights / 4 < rows["adamw8bit"].optimizer_bytes < weights / 1.5
+    fp32 = estimate("llama-tiny", 2, 16, precision="bf16-autocast").rows[0]
+    bf16 = estimate("llama-tiny", 2, 16, precision="bf16-weights-autocast").rows[0]
+    assert bf16.weights_bytes < 0.51 * fp32.weights_bytes
+    assert bf16.optimizer_bytes == fp32.optimizer_bytes // 2
+
+
+def test_estimate_and_plan_share_their_default_precision():
+    from actdesign.cli import cli
+
+    defaults = {name: next(p.default for p in cli.commands[name].params
+                           if p.name == "precision") for name in ("estimate", "plan")}
+    assert defaults == {"estimate": "bf16-autocast", "plan": "bf16-autocast"}
+    assert estimate("gpt2-tiny", 2, 16).precision == "bf16-autocast"
+
+
+def test_the_config_is_echoed_and_a_missing_size_is_warned(tmp_path, capsys):
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = run(capsys, "estimate", "--model", str(tmp_path), "--batch", "1",
+                         "--seq", "8")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("LlamaForCausalLM: ") and "layers 32, width 64, vocabulary 100" \
+        in lines[0]
+    assert any("sets no num_hidden_layers: transformers' default for LlamaConfig, 32" in line
+               for line in lines if line.startswith("warning: "))
+    config["num_hidden_layers"], config["num_key_value_heads"] = 2, 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = estimate(str(tmp_path), 1, 8)
+    assert result.warnings == [] and result.config["layers"] == 2
+    assert result.config["parameters"] == sum(
+        p.numel() for p in models.build(str(tmp_path))[0].parameters())
+
+
+def test_python_takes_a_name_a_config_or_a_model_object():
+    """The same model by name, by its config, by the config's dict and as an object: the same
+    bytes; the object itself is left as it was."""
+    model = models.build("llama-tiny")[0]
+    config = models.config_of("llama-tiny")
+    data = config.to_dict()
+    kinds = {"name": "llama-tiny", "config": config, "dict": data, "object": model}
+    rows = {k: estimate(v, 2, 16, policies=["llm"]).rows[0] for k, v in kinds.items()}
+    first = rows["name"]
+    for k, row in rows.items():
+        assert (row.saved_bytes, row.peak_bytes, row.weights_bytes) == \
+            (first.saved_bytes, first.peak_bytes, first.weights_bytes), k
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"  # untouched
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    row = estimate(mlp, 1, 1, policies=["none", "fewbit3"], precision="fp32",
+                   example_inputs=torch.randn(16, 32)).rows
+    assert row[1].saved_bytes < row[0].saved_bytes
+
+
+def test_long_module_names_keep_their_informative_end(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "llama-tiny", "--batch", "1", "--seq",
+                         "8", "--lora", "4")
+    assert code == 0, err
+    names = [line[:48].rstrip() for line in out.splitlines() if "lora_A" in line]
+    assert names and all(n.endswith(".lora_A.default") or n.endswith("lora_A") for n in names)
+    assert all(n.startswith("…") or n.startswith("base_model") for n in names)
+
+
+def test_qlora_holds_its_base_in_four_bits():
+    lora = estimate("llama-tiny", 2, 16, lora=4, precision="bf16-weights-autocast").rows[0]
+    qlora = estimate("llama-tiny", 2, 16, lora=4, precision="bf16-weights-autocast",
+                     four_bit=True).rows[0]
+    model = models.build("llama-tiny")[0]
+    linears = sum(m.weight.numel() for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    nf4 = linears // 2 + 4 * (linears // 64)  # every one a multiple of 64 here
+    assert lora.weights_bytes - qlora.weights_bytes == 2 * linears - nf4
+    largest = max(m.weight.numel() for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    assert qlora.peak_bytes == lora.peak_bytes + 2 * largest  # one weight dequantized
+    assert qlora.saved_bytes == lora.saved_bytes
+
+
+def test_the_cli_offers_every_card_and_optimizer_the_library_knows():
+    """The CLI lists them itself (it imports no torch to start); they must stay the same."""
+    from actdesign.cli import cli
+    from actdesign.runtime import cards, footprint
+
+    params = {p.name: p for p in cli.commands["estimate"].params}
+    assert tuple(params["card"].type.choices) == cards.NAMES
+    assert tuple(params["optimizer"].type.choices) == tuple(footprint.OPTIMIZERS)

@@ -172,3 +172,61 @@ def test_mutated_policies_load_or_refuse_in_time():
     outcomes = [_bounded(lambda t=t: P.validate(loads_json(t, "fuzz.json"), "fuzz.json"), t)
                 for t in _policy_inputs()]
     assert sum(not isinstance(r, ActdesignError) for r, _ in outcomes) >= 10
+
+
+# --- estimate's and plan's options, and the configs estimate reads --------------------------
+
+def _option_texts():
+    rng = np.random.default_rng(40)
+    numbers = ["0", "1", "-1", "0.5", "1.5", "24", "1e400", "-0", ".", "1e-400", "nan", "inf",
+               "9" * 400, "2.4", "  3 ", "1_000", "٣"]
+    units = ["", "GB", "GiB", "gib", "MiB", "KB", "TiB", "B", "parsecs", " GiB", "Gi", "%"]
+    return [str(rng.choice(numbers)) + str(rng.choice(units)) for _ in range(200)]
+
+
+def test_sizes_and_budgets_parse_or_refuse_in_time():
+    """--gpu-memory and --budget values: a size with its unit, a fraction in (0, 1], or a
+    one-line refusal; never another exception, never a size that is not a positive int."""
+    from actdesign.options import parse_budget, parse_size
+
+    for text in _option_texts():
+        size, _ = _bounded(lambda t=text: parse_size(t), text)
+        assert isinstance(size, ActdesignError) or (isinstance(size, int) and size >= 1), text
+        budget, _ = _bounded(lambda t=text: parse_budget(t), text)
+        assert isinstance(budget, ActdesignError) or (isinstance(budget, int) and budget >= 1) \
+            or (isinstance(budget, float) and 0 < budget <= 1), text
+
+
+def _config_inputs():
+    rng = np.random.default_rng(41)
+    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+            "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 1, "vocab_size": 64, "max_position_embeddings": 64}
+    hostile = [10**400, -1, 0, 3, 7, 10**9, 1e308, 0.5, "x", "", None, True, [], {}, [4, 4]]
+    out = []
+    for _ in range(24):
+        data = dict(base)
+        for key in rng.choice(sorted(base), size=int(rng.integers(1, 3)), replace=False):
+            data[str(key)] = hostile[int(rng.integers(len(hostile)))]
+        out.append(json.dumps(data, allow_nan=True))
+    return out
+
+
+def test_mutated_configs_estimate_or_refuse_in_time(tmp_path):
+    """A config.json with hostile sizes or types: estimated, or refused in one line naming
+    what is wrong; never a traceback, never hours of building (BOUND per config)."""
+    from actdesign.runtime.estimate import estimate
+
+    global BOUND
+    done = 0
+    for i, text in enumerate(_config_inputs()):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+        previous, BOUND = BOUND, 60.0  # building and stepping a model, not parsing text
+        try:
+            result, _ = _bounded(lambda f=folder: estimate(str(f), 1, 8), text)
+        finally:
+            BOUND = previous
+        done += not isinstance(result, ActdesignError)
+    assert done >= 2  # some survive their mutation

@@ -4,6 +4,7 @@ policy compress applies."""
 
 import copy
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from actdesign.designer import plan as solver
 from actdesign.runtime import cards, compress, models, planner
 from actdesign.runtime import policy as policy_mod
 
@@ -102,11 +104,67 @@ def test_the_planned_peak_fits_every_budget_on_a_real_step(planned):
         assert saved <= peak <= budget
 
 
-def test_a_budget_below_the_smallest_is_refused_with_the_smallest(planned):
+def test_the_smallest_budget_named_is_met_and_one_byte_less_is_refused(planned):
     _, model, example, costs = planned
     low = planner.smallest_budget(model, example, costs, 1.10, PRECISION, KERNELS)
-    with pytest.raises(planner.ActdesignError, match="smallest feasible"):
+    assert verified(model, example, costs, low).peak_bytes <= low
+    with pytest.raises(planner.ActdesignError, match="the smallest budget plan meets is") as e:
         verified(model, example, costs, low - 1)
+    assert f"({low:,} bytes;" in str(e.value) and "approximate" in str(e.value)
+
+
+def test_the_smallest_budget_is_found_below_the_least_modelled_plan():
+    """Where the model's least-peak plan peaks higher, exactly, than another plan (llama-tiny
+    at 4 x 128 with the CUDA kernels' allocations, 1.5x time: recomputation's held bytes),
+    the smallest budget is that other plan's exact peak, which plan meets."""
+    model, _ = models.build("llama-tiny")
+    model.train()
+    batches = [models.example_batch(model, 2, 128, seed=1 + i) for i in range(2)]
+    example = models.example_batch(model, 4, 128)
+    costs = planner.measure_costs(model, batches, example, PRECISION, cards.card("h200"),
+                                  "cuda", "test", planner.Clock(None))
+    least = solver.smallest_peak(costs.problem, 1.5 * costs.problem.base_time)
+    shapes = planner.ShapeSteps(model, example, PRECISION, "cuda")
+    modelled_least = shapes.run(planner.plan_policy(costs, least)).peak
+    low = planner.smallest_budget(model, example, costs, 1.5, PRECISION, "cuda")
+    assert low < modelled_least
+    found = planner.solve_verified(model, example, costs, low, 1.5, PRECISION, "cuda",
+                                   planner.Clock(None))
+    assert found.peak_bytes == low
+    with pytest.raises(planner.ActdesignError, match=f"meets is .* \\({low:,} bytes;"):
+        planner.solve_verified(model, example, costs, low - 1, 1.5, PRECISION, "cuda",
+                               planner.Clock(None))
+
+
+def test_the_smallest_budget_is_the_least_exact_peak_of_every_plan(monkeypatch):
+    """Brute force on a tiny MLP (two Linear layers around a GELU; two options a site, three
+    sites): every plan within the time limit priced by its own shape-only step. The smallest
+    budget plan names is the least of their exact peaks, and plan meets it."""
+    monkeypatch.setitem(planner.OPTIONS, "activation", [("fewbit", {"bits": 1}),
+                                                        ("fewbit", {"bits": 3})])
+    monkeypatch.setitem(planner.OPTIONS, "linear", [("actnn", {"bits": 2}),
+                                                    ("actnn", {"bits": 8})])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8)).train()
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    example = torch.randn(32, 16)
+    costs = planner.measure_costs(model, batches, example, PRECISION, cards.card("h200"),
+                                  KERNELS, "test", planner.Clock(None))
+    p = costs.problem
+    assert len(p.sites) == 3 and not p.blocks  # the GELU, and each Linear's input
+    slowdown = 1.6  # the time limit keeps some plans out
+    shapes = planner.ShapeSteps(model, example, PRECISION, KERNELS)
+    peaks = []
+    for choice in itertools.product(*(range(len(s.options)) for s in p.sites)):
+        plan = solver.evaluate(p, choice, ())
+        if plan.time <= slowdown * p.base_time:
+            peaks.append(shapes.run(planner.plan_policy(costs, plan)).peak)
+    assert 4 <= len(peaks) < 27
+    low = planner.smallest_budget(model, example, costs, slowdown, PRECISION, KERNELS)
+    assert low == min(peaks)
+    assert verified(model, example, costs, low, slowdown).peak_bytes == low
+    with pytest.raises(planner.ActdesignError, match=f"meets is .* \\({low:,} bytes;"):
+        verified(model, example, costs, low - 1, slowdown)
 
 
 def test_predicted_error_is_the_measured_one(planned):
@@ -181,13 +239,48 @@ def test_plan_writes_a_policy_compress_applies(tmp_path, capsys):
     assert policy_mod.load(str(out)).rules
 
 
-def test_plan_refuses_bad_budgets(tmp_path, capsys):
+@pytest.mark.parametrize("budget, message", [
+    ("1KiB", "the smallest budget plan meets is"), ("0", "the budget '0' is a fraction"),
+    ("-1", "must be in (0, 1]"), ("1.5", "give a unit"), ("0MiB", "must be positive"),
+    ("lots", "cannot read the budget")])
+def test_plan_refuses_bad_budgets(tmp_path, capsys, monkeypatch, budget, message):
     out = tmp_path / "plan.json"
-    for budget, message in (("1KiB", "smallest feasible"), ("0", "budget"),
-                            ("lots", "cannot read the size")):
-        code, _, err = run_cli(capsys, "plan", "--model", "llama-tiny", "--batch", "1",
-                               "--seq", "16", "--budget", budget, "--calibration-batches",
-                               "1", "--calibration-shape", "1", "16", "--out", str(out))
-        last = err.strip().splitlines()[-1]  # after the progress lines
-        assert code == 2 and message in last and last.startswith("actdesign: error:"), err
-        assert not out.exists()
+    if budget != "1KiB":  # a budget that cannot be read is refused before any model is built
+        monkeypatch.setattr(models, "build", lambda *a, **k: pytest.fail("built a model"))
+    code, _, err = run_cli(capsys, "plan", "--model", "llama-tiny", "--batch", "1",
+                           "--seq", "16", "--budget", budget, "--calibration-batches",
+                           "1", "--calibration-shape", "1", "16", "--out", str(out))
+    last = err.strip().splitlines()[-1]  # after the progress lines
+    assert code == 2 and message in last and last.startswith("actdesign: error:"), err
+    assert not out.exists()
+
+
+def test_the_plan_explains_its_choice_against_the_presets_and_the_noise():
+    """llama-tiny at 4 x 128, budget 0.5 of the uncompressed saved bytes, 1.10x time: every
+    preset is listed with its exact peak, measured error and modelled time, marked where it
+    breaks a limit; the lossless llm with its blocks recomputed fits but is over the time
+    limit, and the output says at what slowdown it would be chosen; the error is set beside
+    the gradient's own noise; no preset that fits beats the plan's measured error."""
+    model, _ = models.build("llama-tiny")
+    model.train()
+    batches = [models.example_batch(model, 2, 128, seed=1 + i) for i in range(4)]
+    example = models.example_batch(model, 4, 128)
+    result = planner.plan(model, batches, 0.5, example_inputs=example)
+    text = result.table()
+    e = result.explanation
+    assert [r.label for r in e.presets] == list(planner.PRESETS)
+    checkpointed = next(r for r in e.presets if r.label == "llm+checkpoint")
+    assert checkpointed.error == 0 and checkpointed.peak <= result.budget
+    assert checkpointed.over_time and "over the time limit" in text
+    assert e.lossless is not None and e.lossless.peak <= result.budget
+    assert f"raise --max-slowdown to {e.lossless.slowdown:.2f} to choose it" in text
+    assert any(r.over_budget for r in e.presets) and "over budget" in text
+    assert 0 < e.noise and e.calibration_batch == 2 and e.training_batch == 4
+    assert "adds as much noise as shrinking the batch from 4 to" in text
+    fits = [r for r in e.presets if not (r.over_budget or r.over_time)]
+    measured = result.solution.error if e.chosen else e.measured_error
+    assert all(r.error >= measured for r in fits)
+    assert all(saved > 0 and seconds > 0 for _, _, saved, _, seconds in result.rows())
+    assert "%" in text.splitlines()[1]
+    report = result.report()["explanation"]
+    assert report["gradient_noise"] == e.noise and len(report["presets"]) == 6
