@@ -14,6 +14,7 @@ import ast
 import contextlib
 import math
 import signal
+import sys
 import threading
 import time
 from functools import lru_cache
@@ -337,6 +338,9 @@ def derivatives(expr: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
     return first, sp.diff(first, X)
 
 
+_REPEAT_SECONDS = 0.1
+
+
 class _Expired(BaseException):  # not an Exception: sympy's broad handlers must not swallow it
     pass
 
@@ -360,9 +364,16 @@ def time_limit(seconds: float, message: str):
     def expire(signum, frame):
         raise _Expired
 
-    start = time.monotonic()
+    def unraisable(info):  # an alarm that landed in a weakref callback or __del__
+        if info.exc_type is not _Expired:
+            hook(info)
+
+    start, hook = time.monotonic(), sys.unraisablehook
     signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    sys.unraisablehook = unraisable
+    # Repeats: Python drops an exception raised while it runs a weakref callback or
+    # __del__, so one alarm alone can be lost and the block run on unbounded.
+    signal.setitimer(signal.ITIMER_REAL, seconds, _REPEAT_SECONDS)
     try:
         yield
     except _Expired:
@@ -370,6 +381,7 @@ def time_limit(seconds: float, message: str):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, outer)
+        sys.unraisablehook = hook
         if outer_left:
             left = outer_left - (time.monotonic() - start)
             signal.setitimer(signal.ITIMER_REAL, max(left, 1e-6), outer_interval)

@@ -15,7 +15,8 @@ def within(seconds: float, what: str = ""):
         raise Overtime(f"{what or 'call'} took longer than {seconds} s")
 
     previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    # Repeats: Python drops an exception raised in __del__, so one alarm can be lost.
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.1)
     try:
         yield
     finally:
