@@ -526,11 +526,12 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
     def say(message):
         click.echo(message, err=True)
 
+    source = model_mod.load_callable(data, "data") if data is not None else None  # first
     model, make_batch = model_mod.build(model_name, say=say)
     trained = model_mod.with_weights(model_name, model)
     model = (trained or model).float().train()
-    if data is not None:
-        batches = list(_batches(model_mod.load_callable(data, "data"), data))
+    if source is not None:
+        batches = list(_batches(source, data))
         calibration = f"{len(batches)} batches of {data}"
     else:
         b, s = calibration_shape

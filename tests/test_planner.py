@@ -284,3 +284,11 @@ def test_the_plan_explains_its_choice_against_the_presets_and_the_noise():
     assert "%" in text.splitlines()[1]
     report = result.report()["explanation"]
     assert report["gradient_noise"] == e.noise and len(report["presets"]) == 6
+
+
+def test_plan_reads_its_data_option_before_building(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(models, "build", lambda *a, **k: pytest.fail("built a model"))
+    code, _, err = run_cli(capsys, "plan", "--model", "llama-tiny", "--batch", "1", "--seq",
+                           "16", "--budget", "0.5", "--data", "no_such_module:batches",
+                           "--out", str(tmp_path / "plan.json"))
+    assert code == 2 and "cannot import 'no_such_module'" in err
