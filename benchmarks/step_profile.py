@@ -55,8 +55,8 @@ from measure import table  # noqa: E402
 from actdesign import launches as launch_log  # noqa: E402
 from actdesign.errors import ActdesignError  # noqa: E402
 from actdesign.runtime import compress, models  # noqa: E402
-from actdesign.runtime.accounting import observer  # noqa: E402
 from actdesign.runtime.estimate import _checkpointing, fake_model, shapes_only  # noqa: E402
+from actdesign.runtime.hooks import observer  # noqa: E402
 from actdesign.runtime.profile import PRECISIONS, bf16_weights, forward_context  # noqa: E402
 from actdesign.runtime.targets import (  # noqa: E402
     ROTARY,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .hooks import observer
+
 
 @dataclass
 class SavedBytes:
@@ -23,20 +25,6 @@ class SavedBytes:
     @property
     def total(self) -> int:
         return sum(self.storages.values())
-
-
-def observer(hook):
-    """Mark a module hook as one that only looks (it changes nothing): layers that take a
-    path of their own only while their parts carry no hooks (the lean LoRA path) ignore it."""
-    hook.observes_only = True
-    return hook
-
-
-def hooked(module: torch.nn.Module) -> bool:
-    """Whether a forward hook that may act (not an `observer`) is on the module: layers that
-    compute a part they hold from its weight do so only while none is."""
-    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
-    return any(not getattr(hook, "observes_only", False) for hook in hooks)
 
 
 # Autograd nodes that copy or view their one input: a saved tensor reached from a parameter

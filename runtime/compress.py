@@ -35,6 +35,7 @@ from . import policy as policy_mod
 from .accounting import SavedBytes, account
 from .cache import load
 from .compressed import LeanLinear
+from .draws import forked_rng
 from .edits import Edit, apply_all, undo_all
 from .glu import MSGLU
 from .lm_loss import FusedLossHead, plan_fused_loss
@@ -121,7 +122,7 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
     model is as it was. The random number generators are left as they were too (the probes
     run dropout), so the training run after compress draws what it would have drawn."""
     _refuse_unsupported(model)
-    with models.forked_rng(model):
+    with forked_rng(model):
         planned = plan(model, policy, example_inputs)
         if dry_run and planned.run is None:
             return planned.report

@@ -33,11 +33,11 @@ from torch import nn
 from actdesign.codegen.render import render_glu
 from actdesign.errors import ActdesignError
 
-from .accounting import hooked
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts, autocast_off
+from .draws import same_draws
 from .fake import any_fake, on_host, real_copy
-from .models import same_draws
+from .hooks import hooked
 from .quantized import QLinear, _QuantizedInput
 from .sharing import offer
 from .targets import activation_name, is_gated_mlp, is_lora_linear

@@ -40,9 +40,9 @@ from actdesign.errors import ActdesignError
 
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts, autocast_off
+from .draws import same_draws
 from .edits import BoundMethod, Edit, apply_all
 from .fake import is_fake
-from .models import same_draws
 from .sharing import kept_for, rebuild
 from .targets import is_causal_lm
 

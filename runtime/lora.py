@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .accounting import hooked
 from .compressed import LeanLinear, autocast_off, compressed_call
 from .edits import Edit
+from .hooks import hooked
 from .sharing import keep, restore
 from .targets import is_hf_conv1d
 

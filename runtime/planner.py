@@ -53,6 +53,7 @@ from . import cards, models
 from . import explain as explain_mod
 from . import policy as policy_mod
 from .compress import compress, match
+from .draws import forked_rng
 from .sharing import whole
 from .targets import activation_name, target_of
 
@@ -302,7 +303,7 @@ def _inputs_read(model, layers: dict, example) -> dict:
 
     handles = [m.register_forward_pre_hook(hook(name)) for name, m in layers.items()]
     try:
-        with torch.no_grad(), models.forked_rng(model):
+        with torch.no_grad(), forked_rng(model):
             models.call(model, example)
     finally:
         for h in handles:
@@ -543,7 +544,7 @@ def calibration_copy(model, policy):
     """A copy compressed by `policy`, then dropout turned off: compress decides as for the
     model that trains (with dropout, attention may not keep the input a layer quantizes)."""
     trial = copy.deepcopy(model).train()
-    with models.forked_rng(trial):
+    with forked_rng(trial):
         compress(trial, policy)
     for m in trial.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd):
@@ -555,7 +556,7 @@ def calibration_copy(model, policy):
 
 def _gradients(model, batch) -> dict:
     model.zero_grad(set_to_none=True)
-    with models.forked_rng(model):
+    with forked_rng(model):
         torch.manual_seed(0)
         batch_forms.loss(model, batch).backward()
     out = {n: p.grad.detach().clone() for n, p in model.named_parameters()

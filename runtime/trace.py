@@ -17,7 +17,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .accounting import observer, storage_key
+from .accounting import storage_key
+from .hooks import observer
 from .targets import linear_like
 
 # Calls that read only metadata.

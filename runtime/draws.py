@@ -1,0 +1,26 @@
+"""Random draws replayed: the same generator state for calls that must draw the same dropout
+masks, and the generators put back as they were after a probe."""
+
+from __future__ import annotations
+
+import torch
+
+
+def same_draws(model, *calls) -> list:
+    """The results of `calls`, each run from the same random generator state, so that dropout
+    draws the same masks in each; the generators as they were after. The model keeps its mode:
+    eval mode is not a neutral probe (bitsandbytes repacks its 4-bit weights for CPU inference
+    on an eval forward, which changes its later results)."""
+    results = []
+    with forked_rng(model):
+        for call in calls:
+            torch.manual_seed(0)
+            results.append(call())
+    return results
+
+
+def forked_rng(model):
+    """torch.random.fork_rng over the CPU's generator and those of the CUDA devices holding
+    the model's parameters: they are as they were when it closes."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    return torch.random.fork_rng(devices=devices)
