@@ -296,7 +296,7 @@ class _PresetsHelp(click.Option):
     when the help is shown (it imports torch)."""
 
     def get_help_record(self, ctx):
-        from .runtime.policy import PRESETS
+        from .runtime.apply.policy import PRESETS
 
         self.help = (f"A preset ({', '.join(PRESETS)}), presets joined by '+', or a policy "
                      ".json file.")
@@ -334,8 +334,8 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
 
     from .files import write_atomic
     from .runtime import load_policy
-    from .runtime.profile import plot as draw
-    from .runtime.profile import profile as run
+    from .runtime.memory.profile import plot as draw
+    from .runtime.memory.profile import profile as run
 
     _check_out(plot, "plot", force)
     _check_out(json_out if json_out != "-" else None, "json", force)
@@ -416,8 +416,8 @@ def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, f
         parse_size(size, "GPU memory")
     if four_bit and lora is None:
         raise ActdesignError("--4bit is QLoRA: give --lora RANK too")
-    from .runtime import policy as policy_mod
-    from .runtime.estimate import estimate as run
+    from .runtime.apply import policy as policy_mod
+    from .runtime.memory.estimate import estimate as run
 
     for p in policies:
         policy_mod.load(p)
@@ -453,9 +453,9 @@ def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
     """Fit a table per activation layer to the inputs it sees on your data (and allocate ActNN
     bits exactly); write one policy that compress and profile accept."""
     from .runtime import load_policy
-    from .runtime import models as model_mod
-    from .runtime.calibrate_policy import calibrate_policy
-    from .runtime.policy import save
+    from .runtime.apply import models as model_mod
+    from .runtime.apply.policy import save
+    from .runtime.memory.calibrate_policy import calibrate_policy
 
     _check_out(out, "policy", force)
     base = load_policy(policy or f"fewbit{bits or 3}")
@@ -511,9 +511,9 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
 
     from .files import write_atomic
     from .options import parse_budget
-    from .runtime import cards, planner
-    from .runtime import models as model_mod
-    from .runtime.policy import save
+    from .runtime.apply import models as model_mod
+    from .runtime.apply.policy import save
+    from .runtime.memory import cards, planner
 
     _check_out(out, "policy", force)
     for path, kind in ((json_out, "json"), (plot, "plot")):
@@ -557,7 +557,7 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
 
 
 def _batches(function, name):
-    from .runtime.batches import iterate
+    from .runtime.apply.batches import iterate
 
     return iterate(function(), f"what data {name!r} returned")
 

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from measure import emulate_bf16_matmuls, float32_matmuls, saved_storages, table
 from torch import nn
 
-from actdesign.runtime.profile import (
+from actdesign.runtime.memory.profile import (
     PRECISIONS,
     bf16_weights,
     default_precision,
@@ -225,8 +225,9 @@ def make_variant(base: nn.Module, name: str, batches: list, setting: Setting) ->
 def planned(model, preset: str, batches: list, setting: Setting):
     """`actdesign plan`'s policy for a budget of the preset's exact activation peak at the
     training batch's shape, calibrated on the first training batches."""
-    from actdesign.runtime import planner, policy
-    from actdesign.runtime.estimate import fake_step
+    from actdesign.runtime.apply import policy
+    from actdesign.runtime.memory import planner
+    from actdesign.runtime.memory.estimate import fake_step
 
     if isinstance(model, GPT):
         raise SystemExit("plan@ variants need a model computing its own loss: --arch llama")

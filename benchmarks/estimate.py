@@ -42,9 +42,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from measure import table  # noqa: E402
 
 from actdesign.errors import ActdesignError  # noqa: E402
-from actdesign.runtime import compress, models  # noqa: E402
-from actdesign.runtime.estimate import estimate, step  # noqa: E402
-from actdesign.runtime.profile import PRECISIONS  # noqa: E402
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime.memory.estimate import estimate, step  # noqa: E402
+from actdesign.runtime.memory.profile import PRECISIONS  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "configs"
 NAMES = ["llama-3.1-8b", "qwen2.5-7b", "mistral-7b"]  # directories in CONFIGS

@@ -14,7 +14,7 @@
 #   compiled: torch.compile(model) step times, eager against llm (and Liger), llama at
 #      16 x 1024 and the 1B LLaMA at 4 x 4096;
 #   costs: benchmarks/gpu_costs.py measures the card's costs for the planner (written to
-#      OUTDIR and installed into runtime/cards/: commit the file), then gpu_plan.py plans
+#      OUTDIR and installed into runtime/memory/cards/: commit the file), then gpu_plan.py plans
 #      the 1B LLaMA with them and sets the predicted step time beside the measured one;
 #   margins: benchmarks/gpu_margins.py measures the card's memory margins for `estimate`
 #      (the CUDA context, the allocator's fragmentation per policy family; merged into the

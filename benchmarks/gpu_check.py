@@ -87,7 +87,7 @@ def check_rebuild(device):
     (bf16 weights), the readers keep that same y. dγ, summed over bands of rows in float32
     from x̂ (read back from y in bf16), matches float64 within the rounding of what it reads:
     eps·Σ|g|·(|x̂| + 1), channels with |β| > |γ| kept apart."""
-    from actdesign.runtime.sharing import kept_for, rebuild
+    from actdesign.runtime.ops.sharing import kept_for, rebuild
 
     ok = True
     for cls in (torch.nn.LayerNorm, torch.nn.RMSNorm):
@@ -172,8 +172,8 @@ def check_actnn_draws(device):
 def check_llm_ops(device):
     """MS-GLU's kernels against the torch path (the bound of tests/test_llm.py) and the fused
     loss against eager transformers' loss, on the device."""
-    from actdesign.runtime.glu import glu_ops
-    from actdesign.runtime.lm_loss import fused_linear_cross_entropy
+    from actdesign.runtime.ops.glu import glu_ops
+    from actdesign.runtime.ops.lm_loss import fused_linear_cross_entropy
 
     ok = True
     ops = glu_ops()
@@ -261,7 +261,7 @@ def block_memory(device, ops):
 def models(device):
     """GPT-2 small and a 12-layer LLaMA, one step each in bf16 autocast and in fp32: saved
     bytes, peak and time, against the baseline in the same precision."""
-    from actdesign.runtime.profile import profile
+    from actdesign.runtime.memory.profile import profile
 
     quick = device == "cpu"
     for precision in ("bf16-autocast", "fp32"):

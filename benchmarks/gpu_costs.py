@@ -1,5 +1,6 @@
 """A card's costs for the planner's time model, measured on the card: written as JSON in the
-format `runtime/cards.py` reads (runtime/cards/<name>.json, committed to the repository).
+format `runtime/memory/cards.py` reads (runtime/memory/cards/<name>.json, committed to the
+repository).
 
     python benchmarks/gpu_costs.py --card h200 --out out/h200.json [--install]
 
@@ -12,7 +13,7 @@ Measured, in one run:
   byte of the input they compress, on 2^24 bf16 elements: for an activation, the few-bit or
   piecewise-linear op's forward and backward against torch's GELU; for a Linear layer, the
   compression and restoration of its input (what the lossless layer does not do).
---install also writes the file into runtime/cards/ of this checkout, so that an installed
+--install also writes the file into runtime/memory/cards/ of this checkout, so that an installed
 copy (`pip install .`) plans with it in the same session.
 """
 
@@ -33,10 +34,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from actdesign import runtime, spec  # noqa: E402
 from actdesign.designer import fit_stepwise  # noqa: E402
-from actdesign.runtime import compress, models, planner  # noqa: E402
-from actdesign.runtime.quantized import QLinear  # noqa: E402
-from actdesign.runtime.sparse import SparseLinear  # noqa: E402
-from actdesign.runtime.tables import table  # noqa: E402
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
+from actdesign.runtime.memory import planner  # noqa: E402
+from actdesign.runtime.ops.quantized import QLinear  # noqa: E402
+from actdesign.runtime.ops.sparse import SparseLinear  # noqa: E402
+from actdesign.runtime.ops.tables import table  # noqa: E402
 from runtime import copy_gbs, timer  # noqa: E402
 
 
@@ -108,7 +111,7 @@ def option_costs(device, repeats, n=2**24, width=4096) -> dict:
 
 def measure_card(model, batch, seq, device="cuda", repeats=10, n=2**24, width=4096,
                  copied=2**27) -> dict:
-    """The costs of the card `device` runs on, as runtime/cards.py reads them: options priced
+    """The costs of the card `device` runs on, as runtime/memory/cards.py reads them: options priced
     on `n` elements `width` wide, the copy of `copied` float32."""
     where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
     return {"device": where, "model": model, "shape": f"{batch} x {seq}",
@@ -128,13 +131,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--install", action="store_true",
-                        help="also write it to runtime/cards/ of this checkout")
+                        help="also write it to runtime/memory/cards/ of this checkout")
     args = parser.parse_args()
     result = measure_card(args.model, args.batch, args.seq, repeats=args.repeats)
     text = json.dumps(result, indent=1) + "\n"
     paths = [Path(args.out)]
     if args.install:
-        paths.append(Path(__file__).parents[1] / "runtime" / "cards" / f"{args.card}.json")
+        paths.append(Path(__file__).parents[1] / "runtime/memory/cards" / f"{args.card}.json")
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -8,7 +8,8 @@ which fits with little to spare really runs there.
    workspaces are what the process holds on the card beyond torch's reserved bytes after the
    steps (`mem_get_info`); a family's fragmentation is the allocator's reserved bytes beyond
    its allocated ones at the peak, over the step's activation peak as `estimate` prices it.
-   Written in the format runtime/cards.py reads; --install merges it into runtime/cards/.
+   Written in the format runtime/memory/cards.py reads; --install merges it into
+   runtime/memory/cards/.
 2. The check: for the 1B LLaMA (full fine-tuning, bf16 autocast, `llm`), the longest sequence
    (a multiple of 512) whose estimate with these margins fits the card's memory; there it
    fits with little to spare. A real step runs there: it must not run out of memory, and
@@ -27,9 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from actdesign.runtime import cards, compress, models  # noqa: E402
-from actdesign.runtime.estimate import _checkpointing, estimate  # noqa: E402
-from actdesign.runtime.profile import forward_context  # noqa: E402
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime.memory import cards
+from actdesign.runtime.memory.estimate import _checkpointing, estimate  # noqa: E402
+from actdesign.runtime.memory.profile import forward_context  # noqa: E402
 
 SETUPS = {"eager": ("none", False), "llm": ("llm", False), "checkpointing": ("llm", True)}
 
@@ -111,12 +114,12 @@ def main():
     parser.add_argument("--card", required=True, choices=cards.NAMES)
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--install", action="store_true",
-                        help="also merge it into runtime/cards/<card>.json of this checkout")
+                        help="also merge it into runtime/memory/cards/<card>.json of this checkout")
     args = parser.parse_args()
     margins = measure()
     paths = [Path(args.out)]
     if args.install:
-        paths.append(Path(__file__).parents[1] / "runtime" / "cards" / f"{args.card}.json")
+        paths.append(Path(__file__).parents[1] / "runtime/memory/cards" / f"{args.card}.json")
     for path in paths:
         data = json.loads(path.read_text()) if path.exists() else {}
         path.parent.mkdir(parents=True, exist_ok=True)

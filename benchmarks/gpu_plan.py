@@ -27,9 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from actdesign.runtime import compress, models, planner  # noqa: E402
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
+from actdesign.runtime.memory import planner  # noqa: E402
 
-estimate = importlib.import_module("actdesign.runtime.estimate")
+estimate = importlib.import_module("actdesign.runtime.memory.estimate")
 
 
 def build(name, device):

@@ -5,7 +5,7 @@
     python benchmarks/models.py --precision bf16-autocast
 
 One training step each (random weights from the built-in transformers configs, random
-inputs), measured by `actdesign.runtime.profile` in the chosen precision (as `actdesign
+inputs), measured by `actdesign.runtime.memory.profile` in the chosen precision (as `actdesign
 profile --precision`): distinct storages saved for the backward (parameters and buffers
 aside), the peak (CUDA allocator on a GPU) and the median step time, against the baseline
 measured in the same run. In bfloat16 on a CPU without native bfloat16, matrix products run
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from measure import emulate_bf16_matmuls, float32_matmuls, table  # noqa: E402
 
-from actdesign.runtime.profile import PRECISIONS, default_precision, profile  # noqa: E402
+from actdesign.runtime.memory.profile import PRECISIONS, default_precision, profile  # noqa: E402
 
 POLICIES = ["fewbit3", "regelu2", "msnorm", "fewbit3+msnorm", "actnn2", "backrazor90",
             "fewbit3+msnorm+actnn2"]

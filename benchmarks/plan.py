@@ -36,8 +36,10 @@ from measure import table  # noqa: E402
 
 from actdesign.designer import plan as solver  # noqa: E402
 from actdesign.errors import ActdesignError  # noqa: E402
-from actdesign.runtime import cards, compress, models, planner  # noqa: E402
-from actdesign.runtime.estimate import step  # noqa: E402
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime.memory import cards, planner
+from actdesign.runtime.memory.estimate import step  # noqa: E402
 
 MODELS = ["llama-tiny", "qwen2-tiny", "gpt2-tiny"]
 PRECISION = "bf16-autocast"

@@ -43,9 +43,9 @@ from measure import emulate_bf16_matmuls, float32_matmuls, median_time, saved_st
 
 from actdesign import runtime, spec
 from actdesign.designer import fit_stepwise
-from actdesign.runtime.glu import glu_ops
-from actdesign.runtime.lm_loss import fused_linear_cross_entropy
-from actdesign.runtime.rope import _reference, rotary
+from actdesign.runtime.ops.glu import glu_ops
+from actdesign.runtime.ops.lm_loss import fused_linear_cross_entropy
+from actdesign.runtime.ops.rope import _reference, rotary
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh}
 BITS = (1, 2, 3, 4, 8)
@@ -199,9 +199,9 @@ def host_cost_pairs(device):
 
     from torch import nn
 
-    from actdesign.runtime.compressed import LeanLinear
-    from actdesign.runtime.glu import MSGLU
-    from actdesign.runtime.quantized import QLinear
+    from actdesign.runtime.ops.compressed import LeanLinear
+    from actdesign.runtime.ops.glu import MSGLU
+    from actdesign.runtime.ops.quantized import QLinear
 
     gen = torch.Generator(device=device).manual_seed(0)
 

@@ -25,7 +25,8 @@ import torch
 import toy_lm
 import transformers
 
-from actdesign.runtime import compress, models
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -15,9 +15,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from actdesign import runtime
-from actdesign.runtime.glu import glu_ops
-from actdesign.runtime.lm_loss import loss_ops
-from actdesign.runtime.rope import rope_ops
+from actdesign.runtime.ops.glu import glu_ops
+from actdesign.runtime.ops.lm_loss import loss_ops
+from actdesign.runtime.ops.rope import rope_ops
 
 TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
 # n and nbytes arrive as i32 below 2^31 elements and as i64 above; both must index in int64.

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import QLinear, batches, calibrate, models
-from actdesign.runtime.calibrate_policy import calibrate_policy
+from actdesign.runtime import QLinear, calibrate
+from actdesign.runtime.apply import batches, models
+from actdesign.runtime.memory.calibrate_policy import calibrate_policy
 
 
 class Net(nn.Module):

@@ -16,7 +16,7 @@ import pytest
 
 from actdesign import runtime
 from actdesign.errors import ActdesignError
-from actdesign.runtime import cache, tables
+from actdesign.runtime.ops import cache, tables
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ _FIT = """
 import sys, time
 time.sleep(float(sys.argv[1]))
 from actdesign import runtime
-from actdesign.runtime.tables import table
+from actdesign.runtime.ops.tables import table
 print(runtime.load(table("pwl", "gelu", 2)).__name__)
 """
 

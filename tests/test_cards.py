@@ -6,7 +6,7 @@ import json
 import pytest
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import cards
+from actdesign.runtime.memory import cards
 
 MEASURED = {"device": "NVIDIA H200", "model": "llama-1b", "shape": "1 x 4096",
             "date": "2026-12-06", "flops_per_s": 400e12, "bytes_per_s": 3.9e12,
@@ -49,7 +49,7 @@ def test_the_planner_prices_with_the_measured_card(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_planner import KERNELS, PRECISION, setup
 
-    from actdesign.runtime import planner
+    from actdesign.runtime.memory import planner
 
     model, batches, example = setup("cnn")
     monkeypatch.setattr(cards, "CARDS", tmp_path)
@@ -88,7 +88,7 @@ def test_the_gpu_stage_writes_what_the_planner_reads(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     import gpu_costs
 
-    from actdesign.runtime import planner
+    from actdesign.runtime.memory import planner
 
     measured = gpu_costs.measure_card("llama-tiny", 1, 16, "cpu", repeats=1, n=2**12,
                                       width=256, copied=2**12)

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import account, compress, models
-from actdesign.runtime import policy as P
-from actdesign.runtime.estimate import estimate, step
-from actdesign.runtime.recompute import is_checkpoint_forward
-from actdesign.runtime.targets import target_of
+from actdesign.runtime import account, compress
+from actdesign.runtime.apply import models
+from actdesign.runtime.apply import policy as P
+from actdesign.runtime.memory.estimate import estimate, step
+from actdesign.runtime.ops.recompute import is_checkpoint_forward
+from actdesign.runtime.ops.targets import target_of
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import run_cli  # noqa: E402

@@ -230,7 +230,7 @@ def test_profile_progress_on_stderr_and_pure_json_on_stdout(capsys):
     # exact bytes: weight copies apart from activations, which sum to the total
     import torch
 
-    from actdesign.runtime import models
+    from actdesign.runtime.apply import models
 
     model, _ = models.build("llama-tiny")
     copies = sum(2 * m.weight.numel() for m in model.modules()
@@ -261,7 +261,7 @@ def test_profile_table_names_its_rows(capsys):
 
 
 def test_profile_help_lists_every_preset(capsys):
-    from actdesign.runtime.policy import PRESETS
+    from actdesign.runtime.apply.policy import PRESETS
 
     code, out, err = run(capsys, "profile", "--help")
     assert code == 0

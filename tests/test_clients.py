@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from actdesign.runtime import compress, models, planner
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
+from actdesign.runtime.memory import planner
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")

@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from actdesign.runtime import compress, models
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
 
 pytest.importorskip("transformers")
 

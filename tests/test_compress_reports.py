@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import compress, load_policy, models
+from actdesign.runtime import compress, load_policy
+from actdesign.runtime.apply import models
 
 pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime import PooledConv2d, SparseConv2d, SparseLinear
-from actdesign.runtime.sparse import pack_mask, unpack_mask
+from actdesign.runtime.ops.sparse import pack_mask, unpack_mask
 
 
 def grads(model, x, g):

@@ -78,7 +78,7 @@ def make_lm(lora=False):
     loss reads the head's weight through the head's own call. With `lora`, PEFT LoRA on all
     seven projections first (B drawn, so that A's gradients are not zero; no dropout, whose
     masks depend on how the batch is split), the lean LoRA path on each."""
-    from actdesign.runtime import models
+    from actdesign.runtime.apply import models
 
     model, _ = models.build("llama-tiny")
     model = model.double().train()
@@ -146,7 +146,7 @@ def run_lm_case(rank, mode):
     if mode == "wrapped":
         refused = []
         for wrap in (DistributedDataParallel, fully_shard):
-            plain, _ = __import__("actdesign.runtime.models", fromlist=["build"]).build(
+            plain, _ = __import__("actdesign.runtime.apply.models", fromlist=["build"]).build(
                 "llama-tiny")
             wrapped = wrap(plain)
             try:

@@ -12,9 +12,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from actdesign import runtime
 from actdesign.errors import ActdesignError
-from actdesign.runtime import models
-from actdesign.runtime import profile as profile_mod
-from actdesign.runtime.estimate import _checkpointing, estimate, parse_size, step
+from actdesign.runtime.apply import models
+from actdesign.runtime.memory import profile as profile_mod
+from actdesign.runtime.memory.estimate import _checkpointing, estimate, parse_size, step
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import run_cli as run  # noqa: E402
@@ -168,7 +168,7 @@ def test_cli_table_and_json(capsys, tmp_path):
 
 
 def test_policy_file_and_lora_from_the_cli(capsys, tmp_path):
-    from actdesign.runtime import policy
+    from actdesign.runtime.apply import policy
 
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(policy.load("fewbit3+msnorm").to_dict()))
@@ -295,7 +295,7 @@ def test_the_total_fits_with_its_margins_and_says_by_how_much(capsys):
 
 
 def test_a_measured_card_gives_its_margins(tmp_path, monkeypatch):
-    from actdesign.runtime import cards
+    from actdesign.runtime.memory import cards
 
     (tmp_path / "h100.json").write_text(json.dumps({
         "device": "NVIDIA H100", "model": "llama-1b", "shape": "1 x 4096", "date": "2026-12-06",
@@ -406,7 +406,7 @@ def test_qlora_holds_its_base_in_four_bits():
 def test_the_cli_offers_every_card_and_optimizer_the_library_knows():
     """The CLI lists them itself (it imports no torch to start); they must stay the same."""
     from actdesign.cli import cli
-    from actdesign.runtime import cards, footprint
+    from actdesign.runtime.memory import cards, footprint
 
     params = {p.name: p for p in cli.commands["estimate"].params}
     assert tuple(params["card"].type.choices) == cards.NAMES

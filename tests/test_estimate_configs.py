@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actdesign.runtime import models
-from actdesign.runtime.estimate import estimate
+from actdesign.runtime.apply import models
+from actdesign.runtime.memory.estimate import estimate
 
 CONFIGS = Path(__file__).parent.parent / "benchmarks" / "configs"
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from lms import MOE, NAMES, architecture
 
-from actdesign.runtime import compress, models
-from actdesign.runtime.estimate import _checkpointing, _with_lora, estimate, step
-from actdesign.runtime.profile import _to
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
+from actdesign.runtime.memory.estimate import _checkpointing, _with_lora, estimate, step
+from actdesign.runtime.memory.profile import _to
 
 POLICIES = ["none", "llm", "fewbit3+msnorm", "llm+actnn2", "actnn2"]
 SHAPES = [(2, 16), (3, 40)]

@@ -18,7 +18,7 @@ from actdesign.activation import resolve
 from actdesign.errors import ActdesignError
 from actdesign.expr import FUNCTIONS
 from actdesign.files import loads_json
-from actdesign.runtime import policy as P
+from actdesign.runtime.apply import policy as P
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import within  # noqa: E402
@@ -215,7 +215,7 @@ def _config_inputs():
 def test_mutated_configs_estimate_or_refuse_in_time(tmp_path):
     """A config.json with hostile sizes or types: estimated, or refused in one line naming
     what is wrong; never a traceback, never hours of building (BOUND per config)."""
-    from actdesign.runtime.estimate import estimate
+    from actdesign.runtime.memory.estimate import estimate
 
     global BOUND
     done = 0

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import account, compress, models
+from actdesign.runtime import account, compress
+from actdesign.runtime.apply import models
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import compress, models
-from actdesign.runtime.lm_loss import FusedLossHead, attach_fused_loss
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
+from actdesign.runtime.ops.lm_loss import FusedLossHead, attach_fused_loss
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))

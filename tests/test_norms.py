@@ -10,7 +10,7 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime import LeanLinear, MSLayerNorm, MSRMSNorm, compress, ms_norm, norm_ops
-from actdesign.runtime.sharing import kept_for, rebuild
+from actdesign.runtime.ops.sharing import kept_for, rebuild
 
 NORMS = {"layer": (MSLayerNorm, nn.LayerNorm), "rms": (MSRMSNorm, nn.RMSNorm)}
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from actdesign.runtime import compress, edits, glu, lm_loss, models, norms, policy, rope
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models, policy
+from actdesign.runtime.ops import edits, glu, lm_loss, norms, rope
 
-compress_module = importlib.import_module("actdesign.runtime.compress")
+compress_module = importlib.import_module("actdesign.runtime.apply.compress")
 
 pytest.importorskip("transformers")
 

@@ -14,13 +14,15 @@ import torch
 from torch import nn
 
 from actdesign.designer import plan as solver
-from actdesign.runtime import cards, compress, models, planner
-from actdesign.runtime import policy as policy_mod
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
+from actdesign.runtime.apply import policy as policy_mod
+from actdesign.runtime.memory import cards, planner
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import run_cli  # noqa: E402
 
-estimate = importlib.import_module("actdesign.runtime.estimate")
+estimate = importlib.import_module("actdesign.runtime.memory.estimate")
 pytest.importorskip("transformers")
 
 PRECISION = "bf16-autocast"

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import policy as P
+from actdesign.runtime.apply import policy as P
 
 
 @pytest.mark.parametrize("name", list(P.PRESETS))

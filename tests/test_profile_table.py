@@ -1,6 +1,6 @@
 """profile's table from given measurements: units, rows and the step-time warning."""
 
-from actdesign.runtime.profile import Profile, Run, size_unit, time_warning
+from actdesign.runtime.memory.profile import Profile, Run, size_unit, time_warning
 
 GIB, MIB = 2**30, 2**20
 

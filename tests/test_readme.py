@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from actdesign.activation import builtin_names
-from actdesign.runtime import compress, models
-from actdesign.runtime.policy import table_name
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
+from actdesign.runtime.apply.policy import table_name
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.M | re.S)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import LeanLinear, MSLayerNorm, compress, models, ms_norm
+from actdesign.runtime import LeanLinear, MSLayerNorm, compress, ms_norm
+from actdesign.runtime.apply import models
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))

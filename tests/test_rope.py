@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import compress, models
-from actdesign.runtime.rope import _reference, attach_rotary, rotary
-from actdesign.runtime.targets import target_of
+from actdesign.runtime import compress
+from actdesign.runtime.apply import models
+from actdesign.runtime.ops.rope import _reference, attach_rotary, rotary
+from actdesign.runtime.ops.targets import target_of
 
-rope_mod = importlib.import_module("actdesign.runtime.rope")
+rope_mod = importlib.import_module("actdesign.runtime.ops.rope")
 
 pytest.importorskip("transformers")
 

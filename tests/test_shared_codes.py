@@ -18,8 +18,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from actdesign.runtime import MSLayerNorm, MSRMSNorm, QLinear, QMSLayerNorm, QMSRMSNorm, norm_ops
-from actdesign.runtime.glu import MSGLU, _GLUDown
-from actdesign.runtime.quantized import _QuantizedInput
+from actdesign.runtime.ops.glu import MSGLU, _GLUDown
+from actdesign.runtime.ops.quantized import _QuantizedInput
 
 NORMS = {"layer": (MSLayerNorm, QMSLayerNorm), "rms": (MSRMSNorm, QMSRMSNorm)}
 # (autocast dtype or None, parameter and input dtype)
@@ -316,7 +316,8 @@ def test_calibration_gives_a_norm_and_its_readers_one_bit_width(amp, dtype, tmp_
 
     from actdesign.cli import main
     from actdesign.designer.allocate import load_bits
-    from actdesign.runtime import account, calibrate, compress, models
+    from actdesign.runtime import account, calibrate, compress
+    from actdesign.runtime.apply import models
 
     torch.manual_seed(8)
     model, _ = models.build("llama-tiny", seed=0)
@@ -356,8 +357,9 @@ def test_calibration_gives_a_norm_and_its_readers_one_bit_width(amp, dtype, tmp_
 
 
 def test_a_calibrated_policy_keeps_the_codes_shared():
-    from actdesign.runtime import compress, models
-    from actdesign.runtime.calibrate_policy import calibrate_policy
+    from actdesign.runtime import compress
+    from actdesign.runtime.apply import models
+    from actdesign.runtime.memory.calibrate_policy import calibrate_policy
 
     model, _ = models.build("llama-tiny", seed=0)
     batches = [models.example_batch(model, 4, 64) for _ in range(2)]

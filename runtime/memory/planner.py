@@ -48,14 +48,15 @@ from actdesign.designer import plan as solver
 from actdesign.errors import ActdesignError
 from actdesign.options import parse_budget
 
-from . import batches as batch_forms
-from . import cards, models
+from ..apply import batches as batch_forms
+from ..apply import models
+from ..apply import policy as policy_mod
+from ..apply.compress import compress, match
+from ..ops.draws import forked_rng
+from ..ops.sharing import whole
+from ..ops.targets import activation_name, target_of
+from . import cards
 from . import explain as explain_mod
-from . import policy as policy_mod
-from .compress import compress, match
-from .draws import forked_rng
-from .sharing import whole
-from .targets import activation_name, target_of
 
 LOSSLESS = "llm"
 # site kind -> its options after `keep`, as (method, options)
@@ -292,7 +293,7 @@ def _group_name(names) -> str:
 
 def _inputs_read(model, layers: dict, example) -> dict:
     """{layer name: id of the tensor it read} over one forward."""
-    from .accounting import storage_key
+    from ..apply.accounting import storage_key
 
     seen = {}
 

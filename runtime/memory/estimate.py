@@ -42,18 +42,12 @@ from torch.utils._pytree import tree_leaves, tree_map
 from actdesign.errors import ActdesignError
 from actdesign.options import parse_size
 
-from . import cards, footprint, models
-from . import policy as policy_mod
-from .accounting import account, storage_key
-from .compress import compress
-from .profile import (
-    OUTPUT_ROW,
-    _to,
-    bf16_weights,
-    check_precision,
-    forward_context,
-    size_unit,
-)
+from ..apply import models
+from ..apply import policy as policy_mod
+from ..apply.accounting import account, storage_key
+from ..apply.compress import compress
+from . import cards, footprint
+from .profile import OUTPUT_ROW, _to, bf16_weights, check_precision, forward_context, size_unit
 
 
 @dataclass

@@ -32,9 +32,9 @@ from torch.utils._pytree import tree_map
 from actdesign.errors import ActdesignError
 from actdesign.options import PRECISIONS
 
-from . import models
-from .accounting import account
-from .compress import Report, compress
+from ..apply import models
+from ..apply.accounting import account
+from ..apply.compress import Report, compress
 
 
 def bf16_weights(precision: str) -> bool:

@@ -105,7 +105,7 @@ def better_preset(explanation: Explanation) -> PresetRow | None:
 def preset_solution(costs, policy) -> solver.Solution:
     """A policy priced by the model: each site at the option the policy gives it (keep where
     it gives none the planner offers), each block it checkpoints recomputed."""
-    from .compress import match
+    from ..apply.compress import match
 
     chosen = match(costs.reference.model, policy)[0]
     checkpointed = {name for name, (_, rule) in chosen.items() if rule.apply == "checkpoint"}

@@ -17,9 +17,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from ..ops.hooks import observer
+from ..ops.targets import linear_like
 from .accounting import storage_key
-from .hooks import observer
-from .targets import linear_like
 
 # Calls that read only metadata.
 _METADATA = {"size", "dim", "shape", "dtype", "device", "ndim", "is_contiguous", "stride",

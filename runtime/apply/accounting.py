@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .hooks import observer
+from ..ops.hooks import observer
 
 
 @dataclass

@@ -30,24 +30,24 @@ from actdesign.activation import resolve
 from actdesign.designer.allocate import load_bits
 from actdesign.errors import ActdesignError
 
+from ..ops.cache import load
+from ..ops.compressed import LeanLinear
+from ..ops.draws import forked_rng
+from ..ops.edits import Edit, apply_all, undo_all
+from ..ops.glu import MSGLU
+from ..ops.lm_loss import FusedLossHead, plan_fused_loss
+from ..ops.lora import LeanLoRA, plan_lora
+from ..ops.norms import _QMSNorm, ms_norm
+from ..ops.pooled import PooledConv2d
+from ..ops.quantized import InputCodes, QConv2d, QLinear
+from ..ops.recompute import is_checkpoint_forward, plan_checkpoint
+from ..ops.rope import is_rotary_forward, plan_rotary
+from ..ops.sparse import SparseConv2d, SparseLinear
+from ..ops.tables import table
+from ..ops.targets import activation_name, has_builtin, is_lora_linear, peft_refusal, target_of
 from . import models
 from . import policy as policy_mod
 from .accounting import SavedBytes, account
-from .cache import load
-from .compressed import LeanLinear
-from .draws import forked_rng
-from .edits import Edit, apply_all, undo_all
-from .glu import MSGLU
-from .lm_loss import FusedLossHead, plan_fused_loss
-from .lora import LeanLoRA, plan_lora
-from .norms import _QMSNorm, ms_norm
-from .pooled import PooledConv2d
-from .quantized import InputCodes, QConv2d, QLinear
-from .recompute import is_checkpoint_forward, plan_checkpoint
-from .rope import is_rotary_forward, plan_rotary
-from .sparse import SparseConv2d, SparseLinear
-from .tables import table
-from .targets import activation_name, has_builtin, is_lora_linear, peft_refusal, target_of
 from .trace import inputs_kept_elsewhere, norm_consumers
 
 

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from actdesign.designer.allocate import allocate, save_bits, save_stats
 from actdesign.errors import ActdesignError
 
-from . import batches as batch_forms
-from .norms import _QMSNorm
-from .quantized import QConv2d, QLinear
-from .sharing import whole
+from ..apply import batches as batch_forms
+from ..ops.norms import _QMSNorm
+from ..ops.quantized import QConv2d, QLinear
+from ..ops.sharing import whole
 
 
 def _layer_constants(layer, x):

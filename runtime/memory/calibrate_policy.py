@@ -20,12 +20,12 @@ import torch
 from actdesign import spec as spec_mod
 from actdesign.errors import ActdesignError
 
-from . import batches as batch_forms
-from . import policy as policy_mod
+from ..apply import batches as batch_forms
+from ..apply import policy as policy_mod
+from ..apply.compress import compress, match
+from ..ops.tables import table
+from ..ops.targets import activation_name
 from .calibrate import calibrate
-from .compress import compress, match
-from .tables import table
-from .targets import activation_name
 
 
 class StreamingHistogram:
