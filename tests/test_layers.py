@@ -40,7 +40,10 @@ def imports_of(name: str) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module
-            candidates = [target] + [f"{target}.{a.name}" for a in node.names]
+            # `from package import module` imports the module (a package's __init__ runs
+            # before any of its modules anyway); `from module import name` the module
+            candidates = [f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target
+                          for a in node.names]
         elif isinstance(node, ast.Import):
             candidates = [a.name for a in node.names]
         else:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 
 from actdesign.designer import plan as solver
 
+from .sites import option_label, plan_policy
+
 
 @dataclass
 class PresetRow:
@@ -105,7 +107,7 @@ def better_preset(explanation: Explanation) -> PresetRow | None:
 def preset_solution(costs, policy) -> solver.Solution:
     """A policy priced by the model: each site at the option the policy gives it (keep where
     it gives none the planner offers), each block it checkpoints recomputed."""
-    from ..apply.compress import match
+    from ...apply.compress import match
 
     chosen = match(costs.reference.model, policy)[0]
     checkpointed = {name for name, (_, rule) in chosen.items() if rule.apply == "checkpoint"}
@@ -121,8 +123,6 @@ def preset_solution(costs, policy) -> solver.Solution:
 
 
 def _label(rule) -> str | None:
-    from .planner import option_label
-
     options = dict(rule.options)
     if rule.apply in ("fewbit", "pwl", "actnn"):
         return option_label(rule.apply, {"bits": options["bits"]})
@@ -136,8 +136,6 @@ def _label(rule) -> str | None:
 def lossless_alternative(plan, shapes) -> Lossless | None:
     """The lossless plan of least modelled time whose exact peak fits the budget, whatever
     the slowdown; None where none does."""
-    from .planner import plan_policy
-
     p = plan.costs.problem
     keeps = replace(p, sites=tuple(replace(s, options=s.options[:1]) for s in p.sites))
     every = p.base_time + sum(s.options[0].time for s in p.sites) + sum(
