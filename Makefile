@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 OUT := out
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint docs docs-serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,18 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+DOCS_STAMP := $(VENV)/.docs-stamp
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,hf,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)  # the site, into out/site; a broken link or a page left out fails it
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,hf,bench]'

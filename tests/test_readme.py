@@ -1,11 +1,12 @@
-"""The README's code runs as written.
+"""The code of the README and of every page of docs/ runs as written.
 
-Every ```python block either runs, offline, in a temporary directory where the README's cheap
-shell commands (`actdesign fit/show/list/gen-kernel`) ran first, or is in SKIP with the reason.
+Every ```python block either runs, offline, in a temporary directory where the pages' cheap
+shell commands (`actdesign fit/show/list/gen-kernel`) ran first, in the site's order, or is in
+SKIP with the reason.
 A block may assume names its surrounding text introduces (`model`, `x`, `batches`): GIVEN
 defines them before the block runs. A line that needs the Hugging Face Hub carries an
 `# offline: ...` comment telling the reader what to change; OFFLINE holds the change this test
-makes to it. Every entry of these tables must still match a block or a line of the README.
+makes to it. Every entry of these tables must still match a block or a line of the pages.
 """
 
 import json
@@ -24,7 +25,21 @@ from actdesign.runtime import compress
 from actdesign.runtime.apply import models
 from actdesign.runtime.apply.policy import table_name
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def pages() -> list[Path]:
+    """The README, then docs/ in the site's order (mkdocs.yml's nav), then any page the nav
+    leaves out (mkdocs --strict refuses those, but their code still runs here)."""
+    nav = re.findall(r"^\s*- (?:[^:\n]+: )?([\w./-]+\.md)$", (ROOT / "mkdocs.yml").read_text(),
+                     re.M)
+    listed = [ROOT / "docs" / name for name in nav]
+    return [README, *listed, *sorted(set((ROOT / "docs").glob("*.md")) - set(listed))]
+
+
+def text_of_pages() -> str:
+    return "\n".join(page.read_text() for page in pages())
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.M | re.S)
 
 # A block is named by a substring only it contains.
@@ -71,7 +86,7 @@ CHEAP = ("list", "fit", "show", "gen-kernel")
 
 
 def blocks(lang):
-    text = README.read_text()
+    text = text_of_pages()
     for m in FENCE.finditer(text):
         if m.group(2) == lang:
             indent = len(m.group(1))
@@ -110,7 +125,7 @@ def test_every_hub_line_says_what_to_change_offline():
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """A directory where the README's cheap `actdesign` commands have run, in order."""
+    """A directory where the pages' cheap `actdesign` commands have run, in order."""
     folder = tmp_path_factory.mktemp("readme")
     np.save(folder / "preacts.npy", np.random.default_rng(0).standard_normal(20_000))
     cli = shutil.which("actdesign", path=str(Path(sys.executable).parent))
@@ -156,7 +171,7 @@ def test_python_block_runs(block, workdir, saved_llama, monkeypatch):
     monkeypatch.chdir(workdir)
     monkeypatch.syspath_prepend(str(workdir))
     namespace = {"torch": torch, "models": models, "FOLDER": str(saved_llama)}
-    exec(compile(source, "README.md", "exec"), namespace)
+    exec(compile(source, "the docs", "exec"), namespace)
 
 
 def test_the_policy_example_fires_every_rule_on_gpt2():
@@ -186,8 +201,8 @@ TABLE_NAMES = {  # the forms the README lists -> (kind, activation, bits)
 }
 
 
-def test_every_table_name_form_the_readme_lists_parses():
-    text = README.read_text()
+def test_every_table_name_form_the_docs_list_parses():
+    text = text_of_pages()
     for name, parsed in TABLE_NAMES.items():
         assert f"`{name}`" in text, name
         assert table_name(name) == parsed, name
