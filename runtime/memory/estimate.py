@@ -317,7 +317,7 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
     peak. `kernels`: whose allocations the peak follows for our ops, the CUDA kernels' (their
     outputs alone) or the CPU paths' (their float32 working copies too). `card`: whose
     measured margins to use (cards.NAMES); without one, or unmeasured, they are assumed.
-    `example_inputs`: a batch (real tensors, any form runtime.batches reads) to run in place
+    `example_inputs`: a batch (real tensors, any form apply.batches reads) to run in place
     of random tokens at `batch` x `seq`, as a model object other than a transformers model
     needs."""
     check_precision(precision)

@@ -83,11 +83,11 @@ def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="b
     `example_inputs` (default: the first batch), has an activation peak within `budget`
     (bytes, a size such as "20GiB", or a fraction of the uncompressed model's saved bytes)
     and a modelled step time within `max_slowdown` times the lossless one's. `batches`: the
-    calibration batches, in any form of `runtime.batches` (a tensor, a dict of keyword inputs,
+    calibration batches, in any form of `apply.batches` (a tensor, a dict of keyword inputs,
     a tuple of positional inputs or an (inputs, targets) pair; a transformers model given
     labels computes its own loss). With `explain`, the plan also holds every preset beside
     it, the lossless plan a larger slowdown would allow, and its error beside the gradient's
-    own noise (runtime.explain). The model is not changed."""
+    own noise (planner.explain). The model is not changed."""
     limit = parse_budget(budget)  # a bad budget refused before anything is measured
     card = cards.card(device)
     if not (isinstance(max_slowdown, int | float) and max_slowdown >= 1):
