@@ -397,11 +397,18 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
               show_default=True,
               help="Whose allocations the peak follows for actdesign's ops: their CUDA "
                    "kernels' or their CPU paths'.")
+@click.option("--max-seq", "max_seq", is_flag=True,
+              help="Find the longest sequence (at --batch) whose step fits each --gpu-memory.")
+@click.option("--max-batch", "max_batch", is_flag=True,
+              help="Find the largest batch (at --seq) whose step fits each --gpu-memory.")
+@click.option("--step", type=click.IntRange(1), metavar="N",
+              help="The search's step: the answer is a multiple of it, and one step more "
+                   "does not fit [256 tokens, 1 sequence].")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
               metavar="FILE", help="Also write the estimate as JSON ('-': stdout only).")
 @_FORCE
 def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, four_bit,
-             optimizer, gpu_memory, card, kernels, json_out, force):
+             optimizer, gpu_memory, card, kernels, max_seq, max_batch, step, json_out, force):
     """Estimate the memory of one training step from a model's config, without its weights
     or a GPU: bytes saved for the backward by module, the activation peak, weights,
     gradients and optimizer state, and the margins a card needs beyond them. Progress goes
@@ -416,6 +423,13 @@ def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, f
         parse_size(size, "GPU memory")
     if four_bit and lora is None:
         raise ActdesignError("--4bit is QLoRA: give --lora RANK too")
+    if max_seq and max_batch:
+        raise ActdesignError("search one of --max-seq and --max-batch at a time")
+    longest = "seq" if max_seq else "batch" if max_batch else None
+    if longest is not None and not gpu_memory:
+        raise ActdesignError(f"--max-{longest} searches against a card: give --gpu-memory SIZE")
+    if longest is None and step is not None:
+        raise ActdesignError("--step is the step of --max-seq or --max-batch: give one")
     from .runtime.apply import policy as policy_mod
     from .runtime.memory.estimate import estimate as run
 
@@ -423,7 +437,7 @@ def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, f
         policy_mod.load(p)
     result = run(model_name, batch, seq, precision, policies, checkpointing, optimizer,
                  list(gpu_memory) or None, lambda message: click.echo(message, err=True),
-                 lora, kernels, card, four_bit)
+                 lora, kernels, card, four_bit, longest=longest, step=step)
     text = json.dumps(result.to_dict(), indent=1)
     if json_out == "-":
         click.echo(text)

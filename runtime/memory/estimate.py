@@ -27,7 +27,7 @@ import copy
 import re
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -62,6 +62,7 @@ class Row:
     optimizer_bytes: int
     margins: footprint.Margins | None = None
     fits: bool | dict | None = None  # one size: whether it fits; several: size -> bool
+    longest: dict | None = None  # searched: size as given -> Longest
 
     @property
     def total_bytes(self) -> int:
@@ -85,7 +86,35 @@ class Row:
                 "margins": None if self.margins is None else self.margins.to_dict(),
                 "total_with_margin_bytes": self.needed_bytes,
                 "fits": self.fits, "weight_copy_bytes": self.constant,
-                "saved_by_module": self.saved}
+                "saved_by_module": self.saved, **self._longest_dict()}
+
+    def _longest_dict(self) -> dict:
+        if not self.longest:
+            return {}
+        found = {given: answer.value for given, answer in self.longest.items()}
+        key = f"max_{next(iter(self.longest.values())).dimension}"
+        return {key: next(iter(found.values())) if len(found) == 1 else found,
+                "search": {given: answer.to_dict() for given, answer in self.longest.items()}}
+
+
+@dataclass
+class Longest:
+    """The largest multiple of `step` along `dimension` ("seq" or "batch") whose step fits a
+    size: `value` fits (0: not even one step does), `value + step` does not (or the model's
+    own limit `cap` stopped the search there)."""
+    dimension: str
+    step: int
+    value: int
+    needed: int | None  # total with margins at value
+    over_needed: int | None  # at value + step; None where the cap stopped the search
+    cap: int | None = None  # the model's largest sequence (learned positions), if it stopped
+    steps: int = 0  # shape-only steps the search ran
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "step": self.step,
+                "total_with_margin_bytes": self.needed,
+                "next_total_with_margin_bytes": self.over_needed, "capped_at": self.cap,
+                "steps_run": self.steps}
 
 
 @dataclass
@@ -148,7 +177,24 @@ class Estimate:
                             ("total", "total_bytes")):
             lines.append(line(label, [getattr(r, attr) for r in self.rows]))
         lines += self._margin_lines(line, width, scale, unit)
+        if self.rows[0].longest:
+            lines += self._longest_lines(width, scale, unit)
         return "\n".join(lines)
+
+    def _longest_lines(self, width, scale, unit) -> list[str]:
+        first = next(iter(self.rows[0].longest.values()))
+        what = "sequence" if first.dimension == "seq" else "batch"
+        lines = [f"the longest {what} that fits, in steps of {first.step:,} (the rows above "
+                 f"are at the first size's):"]
+        for given, _ in self.gpu_memory:
+            answers = [r.longest[given] for r in self.rows]
+            lines.append(f"{'  in ' + given:<48}" + "".join(
+                f"{a.value:>{width},}" for a in answers))
+            beyond = ["the model's limit" if a.over_needed is None else
+                      f"{a.over_needed / scale:,.2f}" for a in answers]
+            lines.append(f"{f'    one step more needs ({unit})':<48}" + "".join(
+                f"{b:>{width}}" for b in beyond))
+        return lines
 
     def _margin_lines(self, line, width, scale, unit) -> list[str]:
         margins = [r.margins for r in self.rows]
@@ -302,7 +348,8 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
              policies=("none",), checkpointing: bool = False, optimizer: str = "adamw",
              gpu_memory=None, progress=None, lora: int | None = None, kernels: str = "cuda",
              card: str | None = None, four_bit: bool = False,
-             example_inputs=None) -> Estimate:
+             example_inputs=None, longest: str | None = None,
+             step: int | None = None) -> Estimate:
     """Estimate one training step at `batch` x `seq`, in `precision` (one of PRECISIONS),
     with gradient checkpointing or not: saved bytes by module, activation peak, weights,
     gradients and `optimizer` state (footprint.OPTIMIZERS), the margins a card needs beyond
@@ -319,7 +366,9 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
     measured margins to use (cards.NAMES); without one, or unmeasured, they are assumed.
     `example_inputs`: a batch (real tensors, any form apply.batches reads) to run in place
     of random tokens at `batch` x `seq`, as a model object other than a transformers model
-    needs."""
+    needs. `longest`: "seq" or "batch", to search instead for the largest multiple of `step`
+    (default 256 tokens, 1 sequence) along it whose step fits each `gpu_memory` size, by
+    shape-only steps (`Longest`); each row is then the step at the first size's answer."""
     check_precision(precision)
     for value, what in ((batch, "batch"), (seq, "sequence length")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -333,6 +382,14 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
                              f"got {optimizer!r}")
     if kernels not in KERNELS:
         raise ActdesignError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    if longest not in (None, *SEARCHED):
+        raise ActdesignError(f"longest must be one of {', '.join(SEARCHED)}, got {longest!r}")
+    step = SEARCHED.get(longest, 1) if step is None else step
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ActdesignError(f"the search's step must be a positive integer, got {step!r}")
+    if longest is not None and gpu_memory is None:
+        raise ActdesignError(f"the longest {longest} is searched against a card: give its "
+                             "memory (--gpu-memory)")
     policies = [policies] if isinstance(policies, str | dict) else list(policies)
     loaded = [policy_mod.load(p) for p in policies]  # a bad one refused before any build
     sizes = _sizes(gpu_memory)
@@ -346,25 +403,120 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
     label, config, module, warnings = _source(model)
     setup = _Setup(label, config, module, batch, seq, precision, checkpointing, optimizer,
                    lora, kernels, priced_by, four_bit, example_inputs)
+    vision = getattr(config, "image_size", None)
+    if longest == "seq" and vision:
+        raise ActdesignError(f"model {label!r} takes {vision}x{vision} images: it has no "
+                             "sequence to lengthen (search the batch instead)")
     rows, built = [], {}
     for name, policy in zip(policies, loaded, strict=True):
         say(f"building {label} on fake tensors")
-        try:
-            rows.append(_estimate_fake(setup, _label(name, policy), policy, say, built))
-        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-            raise ActdesignError(f"model {label!r} cannot be estimated: it reads the "
-                                 f"values of a tensor ({exc.func}), which fake tensors do not "
-                                 "have") from None
-        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            # a config that builds a model whose own forward fails (sizes that do not fit)
-            raise ActdesignError(f"model {label!r}: its training step fails: "
-                                 f"{models._reason(exc)}; check its config") from None
-        fits = {given: rows[-1].needed_bytes <= n for given, n in sizes}
+        if longest is None:
+            rows.append(_priced(setup, _label(name, policy), policy, say, built))
+            fits = {given: rows[-1].needed_bytes <= n for given, n in sizes}
+        else:
+            rows.append(_searched(setup, _label(name, policy), policy, say, built, longest,
+                                  step, sizes))
+            fits = {given: answer.value > 0 for given, answer in rows[-1].longest.items()}
         rows[-1].fits = next(iter(fits.values())) if len(fits) == 1 else fits or None
-    vision = getattr(config, "image_size", None)
-    shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision else f"sequence {seq}")
+    if longest == "seq":
+        shape = f"batch {batch}, the longest sequence that fits (steps of {step:,})"
+    elif longest == "batch":
+        shape = f"the largest batch that fits (steps of {step:,}), sequence {seq}"
+    else:
+        shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision
+                                      else f"sequence {seq}")
     return Estimate(label, shape, precision, checkpointing, optimizer, sizes, lora, kernels,
                     rows, built, warnings, card, four_bit)
+
+
+SEARCHED = {"seq": 256, "batch": 1}  # what `longest` searches, and its default step
+_LARGEST = 2**31  # where a search stops whatever the model
+
+
+def _priced(setup: _Setup, name, policy, say, built) -> Row:
+    """`_estimate_fake`, its failures one line each."""
+    try:
+        return _estimate_fake(setup, name, policy, say, built)
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        raise ActdesignError(f"model {setup.name!r} cannot be estimated: it reads the "
+                             f"values of a tensor ({exc.func}), which fake tensors do not "
+                             "have") from None
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        # a config that builds a model whose own forward fails (sizes that do not fit)
+        raise ActdesignError(f"model {setup.name!r}: its training step fails: "
+                             f"{models._reason(exc)}; check its config") from None
+
+
+def _searched(setup: _Setup, name, policy, say, built, dimension, step, sizes) -> Row:
+    """The row at the longest `dimension` that fits the first size, with every size's
+    answer (`Row.longest`)."""
+    cap = _sequence_cap(setup) if dimension == "seq" else None
+    priced = {}
+
+    def price(value) -> Row:
+        if value not in priced:
+            say(f"{name}: {dimension} {value:,}")
+            priced[value] = _priced(replace(setup, **{dimension: value}), name, policy,
+                                    lambda message: None, built)
+        return priced[value]
+
+    answers = {given: _longest(price, size, dimension, step, cap) for given, size in sizes}
+    for answer in answers.values():
+        answer.steps = len(priced)
+    first = next(iter(answers.values()))
+    return replace(price(first.value or step), longest=answers)
+
+
+def _longest(price, size: int, dimension: str, step: int, cap: int | None) -> Longest:
+    """The largest multiple of `step`, up to `cap`, whose step's total with margins is within
+    `size`: doubling from one step until one does not fit, then bisecting between the last
+    that fits and the first that does not, in whole steps. Exact at the boundary: the answer
+    was priced and fits, the answer plus one step was priced and does not. It assumes what a
+    step needs grows with the dimension (more tokens hold more), as it does for every model
+    here."""
+    def needed(value):
+        return price(value).needed_bytes
+
+    limit = min(cap or _LARGEST, _LARGEST)
+    top = limit // step * step
+    if top < step or needed(step) > size:
+        return Longest(dimension, step, 0, None, needed(step) if top >= step else None, cap)
+    low, high = step, None
+    while high is None:
+        if low * 2 > top:
+            if top == low or needed(top) <= size:
+                return Longest(dimension, step, top, needed(top), None, cap or limit)
+            high = top
+        elif needed(low * 2) <= size:
+            low *= 2
+        else:
+            high = low * 2
+    while high - low > step:
+        middle = low + (high - low) // step // 2 * step
+        if needed(middle) <= size:
+            low = middle
+        else:
+            high = middle
+    return Longest(dimension, step, low, needed(low), needed(high))
+
+
+def _sequence_cap(setup: _Setup) -> int | None:
+    """The longest sequence a model with learned position embeddings takes (GPT-2's
+    n_positions, BERT's max_position_embeddings), or None for rotary and other positions
+    that extend: an nn.Embedding of exactly that many rows is a learned position table."""
+    config = setup.config if setup.config is not None else getattr(setup.module, "config", None)
+    limits = {getattr(config, key, None) for key in ("n_positions", "max_position_embeddings")}
+    limits = {n for n in limits if isinstance(n, int) and n > 0}
+    if not limits:
+        return None
+    with shapes_only(setup.kernels) as mode:
+        model = fake_copy(setup.module, mode) if setup.module is not None else \
+            fake_model(setup.name, config)
+    tables = [m.num_embeddings for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Embedding) and "position" in name.lower()
+              or isinstance(m, torch.nn.Embedding) and name.endswith("wpe")]
+    learned = [n for n in tables if n in limits]
+    return min(learned) if learned else None
 
 
 def _label(given, policy) -> str:
