@@ -323,9 +323,10 @@ def test_blocks_are_the_lowest_priority_target(build):
                       chain: ["blocks.0", "blocks.1"]}[build]
 
 
-def test_no_preset_recomputes_and_bad_rules_are_one_line():
-    assert all(r["target"] != "block" for rules in P.PRESETS.values() for r in rules)
-    assert P.load({"rules": [CHECKPOINT]}).rules[0].options == ()
+def test_only_the_offload_preset_recomputes_and_bad_rules_are_one_line():
+    assert [name for name, rules in P.PRESETS.items()
+            if any(r["target"] == "block" for r in rules)] == ["offload"]
+    assert P.load({"rules": [CHECKPOINT]}).rules[0].options == (("offload", False),)
     for rule, words in [({"target": "block", "apply": "checkpoint", "bits": 2},
                          "unknown key 'bits' for 'checkpoint'"),
                         ({"target": "linear", "apply": "checkpoint"},

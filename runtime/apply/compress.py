@@ -201,9 +201,11 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
                 report.replaced.append(Change(name, type(m).__name__, _rotary_words(m)))
                 continue
             if rule.apply == "checkpoint":  # the block stays; its forward is recomputed
-                edits.append(plan_checkpoint(m))
-                report.replaced.append(Change(name, type(m).__name__,
-                                              "recomputed in backward (checkpoint)"))
+                offload = rule.option("offload")
+                edits.append(plan_checkpoint(m, offload))
+                report.replaced.append(Change(name, type(m).__name__, "recomputed in backward "
+                                              "(checkpoint" + (", its input kept in host "
+                                                               "memory)" if offload else ")")))
                 continue
             new[m], what = _replacement(name, m, rule, codes, sharing)
         except ActdesignError as exc:

@@ -13,9 +13,10 @@ each module the first matching rule wins, so a `keep` rule placed first excludes
 
 A `block` is a unit of recomputation: an element of an nn.ModuleList (a transformer layer,
 `model.layers.3`) or an element with parameters and submodules of its own of an nn.Sequential
-(a CNN stage), unless it is a target of another kind. No preset names blocks. `checkpoint`
-recomputes the blocks a rule names in the backward, keeping only their inputs; the modules
-inside them are still compressed by their own rules, and the recompute is exact:
+(a CNN stage), unless it is a target of another kind. `checkpoint` recomputes the blocks a
+rule names in the backward, keeping only their inputs (in host memory with `"offload":
+true`); the modules inside them are still compressed by their own rules, and the recompute is
+exact. The preset `offload` recomputes every block, its input on the host:
 
     {"target": "block", "name": "model.layers.*", "apply": "checkpoint"}
 
@@ -51,7 +52,7 @@ METHODS = {
     "msglu": (("glu",), {}),
     "rope": (("attention",), {}),
     "fused_ce": (("head",), {"chunk_size": None}),
-    "checkpoint": (("block",), {}),
+    "checkpoint": (("block",), {"offload": False}),
 }
 PRESETS = {
     "none": [],
@@ -66,6 +67,8 @@ PRESETS = {
     "llm": [{"target": "norm", "apply": "msnorm"}, {"target": "glu", "apply": "msglu"},
             {"target": "attention", "apply": "rope"}, {"target": "head", "apply": "fused_ce"},
             {"target": "linear", "apply": "lean"}],
+    # every block recomputed, its input kept in host memory meanwhile
+    "offload": [{"target": "block", "apply": "checkpoint", "offload": True}],
 }
 # In presets joined by '+', these rules come last: the default for modules no other preset
 # claims (so llm+actnn2 quantizes the Linear layers llm would only keep lean).
@@ -211,7 +214,7 @@ def _option(method, key, value, where, base):
         return integer(1, 64)
     if key == "chunk_size":
         return None if value is None else integer(1, 1 << 30)
-    if key == "int8":
+    if key in ("int8", "offload"):
         if not isinstance(value, bool):
             raise ActdesignError(f"{where} must be true or false, got {value!r}")
         return value

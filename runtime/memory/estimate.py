@@ -46,6 +46,7 @@ from ..apply import models
 from ..apply import policy as policy_mod
 from ..apply.accounting import account, storage_key
 from ..apply.compress import compress
+from ..ops.offload import host_bytes
 from . import cards, footprint
 from .profile import OUTPUT_ROW, _to, bf16_weights, check_precision, forward_context, size_unit
 
@@ -63,6 +64,7 @@ class Row:
     margins: footprint.Margins | None = None
     fits: bool | dict | None = None  # one size: whether it fits; several: size -> bool
     longest: dict | None = None  # searched: size as given -> Longest
+    host_bytes: int = 0  # block inputs held in host memory (offload), apart from the total
 
     @property
     def total_bytes(self) -> int:
@@ -86,7 +88,8 @@ class Row:
                 "margins": None if self.margins is None else self.margins.to_dict(),
                 "total_with_margin_bytes": self.needed_bytes,
                 "fits": self.fits, "weight_copy_bytes": self.constant,
-                "saved_by_module": self.saved, **self._longest_dict()}
+                "host_bytes": self.host_bytes, "saved_by_module": self.saved,
+                **self._longest_dict()}
 
     def _longest_dict(self) -> dict:
         if not self.longest:
@@ -177,6 +180,9 @@ class Estimate:
                             ("total", "total_bytes")):
             lines.append(line(label, [getattr(r, attr) for r in self.rows]))
         lines += self._margin_lines(line, width, scale, unit)
+        if any(r.host_bytes for r in self.rows):
+            lines.append(line("host memory: offloaded block inputs (apart)",
+                              [r.host_bytes for r in self.rows]))
         if self.rows[0].longest:
             lines += self._longest_lines(width, scale, unit)
         return "\n".join(lines)
@@ -641,7 +647,8 @@ def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, built: d
         quantized = _quantized(model) if setup.four_bit else {}
         say("one training step")
         peaks = {}
-        saved, peak = step(model, inputs, setup.precision, peaks=peaks)
+        with host_bytes() as host:
+            saved, peak = step(model, inputs, setup.precision, peaks=peaks)
     nbytes = {k: t.untyped_storage().nbytes() for k, t in weights.items()}
     grads = [nbytes[k] for k in trainable]
     weights_bytes = sum(nbytes.values())
@@ -656,7 +663,7 @@ def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, built: d
                                 peak, rounding)
     return Row(name, saved.by_module, saved.total, saved.constant, peak, weights_bytes,
                sum(grads), footprint.optimizer_bytes(setup.optimizer, trainable.values()),
-               margins)
+               margins, host_bytes=host[1])
 
 
 def _built(model) -> dict:

@@ -10,6 +10,9 @@ inputs given as keywords (transformers' position embeddings, masks) are passed t
 checkpoint as positional ones: it keeps them, as it keeps the positional ones, so the saved
 bytes count them, and it stashes the generators of their devices.
 
+With `offload`, the inputs the checkpoint keeps go to host memory (`offload`) and come back
+for the block's backward.
+
 Two updates the forward makes must not be made again by the recompute. As transformers' own
 checkpointing does, a recomputed layer neither reads nor writes a key-value cache (the cache
 arguments are None and `use_cache` False while it checkpoints; training starts each forward
@@ -30,23 +33,24 @@ from torch.utils.checkpoint import checkpoint
 from actdesign.errors import ActdesignError
 
 from .edits import BoundMethod, Edit
+from .offload import offloaded
 
-# class forward -> the forward that checkpoints it, one per class: its identity tells ours
+# (class forward, offload) -> the forward that checkpoints it: its identity tells ours
 _FORWARDS = {}
 # the names transformers' layers give their key-value cache
 _CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def plan_checkpoint(block: nn.Module) -> Edit:
-    """The edit that makes `block` recompute its forward in the backward (nothing is changed
-    here). Refused where transformers checkpoints it already, or where its forward is already
-    replaced on the instance."""
+def plan_checkpoint(block: nn.Module, offload: bool = False) -> Edit:
+    """The edit that makes `block` recompute its forward in the backward, its inputs kept in
+    host memory with `offload` (nothing is changed here). Refused where transformers
+    checkpoints it already, or where its forward is already replaced on the instance."""
     if getattr(block, "gradient_checkpointing", False) is True:
         raise ActdesignError("transformers checkpoints it already (gradient checkpointing is "
                              "on): turn that off to name the layers recomputed")
     if "forward" in block.__dict__:
         raise ActdesignError("its forward is already replaced on the instance")
-    return Edit(block, "forward", BoundMethod(block, recomputed_forward, type(block)))
+    return Edit(block, "forward", BoundMethod(block, recomputed_forward, type(block), offload))
 
 
 def is_checkpoint_forward(forward) -> bool:
@@ -54,11 +58,12 @@ def is_checkpoint_forward(forward) -> bool:
     return getattr(forward, "__func__", None) in _FORWARDS.values()
 
 
-def recomputed_forward(cls):
+def recomputed_forward(cls, offload: bool = False):
     """cls.forward, checkpointed while grad is enabled and the module is training (and
-    transformers' own checkpointing, turned on later, is off); its signature is cls.forward's."""
+    transformers' own checkpointing, turned on later, is off), its inputs on the host with
+    `offload`; its signature is cls.forward's."""
     forward = cls.forward
-    if forward not in _FORWARDS:
+    if (forward, offload) not in _FORWARDS:
         positional = _positional(forward)
 
         @functools.wraps(forward)
@@ -67,10 +72,11 @@ def recomputed_forward(cls):
                     or getattr(self, "gradient_checkpointing", False) is True:
                 return forward(self, *args, **kwargs)
             args, kwargs = _without_cache(positional, self, args, kwargs)
-            return _checkpointed_call(forward, self, args, kwargs)
+            with offloaded() if offload else contextlib.nullcontext():
+                return _checkpointed_call(forward, self, args, kwargs)
 
-        _FORWARDS[forward] = checkpointed
-    return _FORWARDS[forward]
+        _FORWARDS[forward, offload] = checkpointed
+    return _FORWARDS[forward, offload]
 
 
 def _checkpointed_call(forward, block, args, kwargs):

@@ -1,0 +1,138 @@
+"""Block inputs kept in host memory: what a recomputed block keeps for its backward (its
+inputs, `recompute`) moves to host memory in the forward and comes back for the block's
+backward, so the device holds one block's worth at a time.
+
+Applied as a saved-tensors hook around the checkpoint: the checkpoint saves its inputs
+through the hook, while everything saved inside the block goes to the checkpoint's own hook
+(the innermost hook wins), which keeps nothing. On CUDA the copies run on a side stream into
+pinned memory, the forward going on meanwhile; in the backward each unpack also starts the
+copy back of the input saved before it (the block whose backward runs next), so it is on
+the device by the time it is read. On the CPU the copy is a plain one, host to host, read
+back as it is. A copy is exact, so the step is the checkpointed step's, bit for bit.
+
+A tensor several blocks take (transformers' rotary cos and sin, a mask) is copied once per
+forward: later blocks reuse its host copy while the same tensor object, unchanged (its
+version counter), is alive. Parameters and buffers stay where they are.
+
+Shape-only steps (fake tensors) copy nothing: the host copy is counted (`host_bytes`) and
+the device tensor is made again, empty, when the backward needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+
+from .fake import is_fake
+
+_STATE = threading.local()  # the forward's host copies and counters
+
+
+class _Held:
+    """A block input on the host, and its way back."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.device, self.dtype = tensor.device, tensor.dtype
+        self.shape, self.stride = tensor.shape, tensor.stride()
+        self.nbytes = tensor.numel() * tensor.element_size()
+        # a shape-only step keeps no reference to the device tensor, so it dies as a real
+        # one would once copied
+        self.host = None if is_fake(tensor) else _to_host(tensor)
+        self.back = None  # the device copy, once prefetched
+        self.previous = None  # weakly: the input saved before this one, whose backward is next
+
+    def fetch(self) -> torch.Tensor:
+        if self.back is None:
+            self.back = self._copy_back()
+        out, self.back = self.back, None
+        if out.device.type == "cuda":
+            torch.cuda.current_stream().wait_stream(_side_stream(out.device))
+        return out
+
+    def prefetch(self) -> None:
+        if self.back is None:
+            self.back = self._copy_back()
+
+    def _copy_back(self) -> torch.Tensor:
+        if self.host is None:  # shape-only: made again, inside the step's fake mode
+            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
+                                       device=self.device)
+        if self.device.type != "cuda":
+            return self.host
+        stream = _side_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            out = self.host.to(self.device, non_blocking=True)
+        out.record_stream(torch.cuda.current_stream(self.device))
+        return out
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cuda":
+        return tensor.detach().clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    stream = _side_stream(tensor.device)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(stream):
+        host.copy_(tensor.detach(), non_blocking=True)
+    tensor.record_stream(stream)  # not reused before the copy is done
+    return host
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    streams = _STATE.__dict__.setdefault("streams", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
+def _pack(tensor: torch.Tensor):
+    if isinstance(tensor, torch.nn.Parameter) or not tensor.is_floating_point() \
+            or tensor.numel() == 0:
+        return tensor  # weights stay; integer positions and masks are small
+    copies = _STATE.__dict__.setdefault("copies", {})
+    found = copies.get(id(tensor))
+    if found is not None and found[0]() is tensor and found[1] == tensor._version:
+        return found[2]
+    held = _Held(tensor)
+    _count(held.nbytes)
+    key = id(tensor)
+    copies[key] = (weakref.ref(tensor, lambda _: copies.pop(key, None)), tensor._version, held)
+    held.previous = _STATE.__dict__.get("last")
+    _STATE.last = weakref.ref(held)
+    return held
+
+
+def _unpack(packed):
+    if not isinstance(packed, _Held):
+        return packed
+    previous = packed.previous() if packed.previous is not None else None
+    if previous is not None:
+        previous.prefetch()  # the block whose backward runs next
+    return packed.fetch()
+
+
+def offloaded():
+    """The saved-tensors hooks that keep what is saved inside the block on the host."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
+def _count(nbytes: int) -> None:
+    counter = _STATE.__dict__.get("counter")
+    if counter is not None:
+        counter[0] += nbytes
+        counter[1] = max(counter[1], counter[0])
+
+
+@contextlib.contextmanager
+def host_bytes():
+    """Counts the host bytes block inputs take while open: yields [held now, most held]."""
+    previous = _STATE.__dict__.get("counter")
+    _STATE.counter = [0, 0]
+    try:
+        yield _STATE.counter
+    finally:
+        _STATE.counter = previous

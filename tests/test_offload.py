@@ -1,0 +1,114 @@
+"""`checkpoint` with `offload`: each recomputed block's inputs wait in host memory for its
+backward. The step is plain checkpointing's bit for bit (a copy is exact; the generators are
+replayed as checkpoint replays them), in float32, under bf16 autocast and with bf16 weights;
+a tensor every block takes is copied once; `estimate` counts the host bytes apart and the
+device's saved bytes without the inputs."""
+
+import copy
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+
+from actdesign.errors import ActdesignError
+from actdesign.runtime import compress, estimate
+from actdesign.runtime.apply import models
+from actdesign.runtime.apply import policy as P
+from actdesign.runtime.memory.estimate import step
+from actdesign.runtime.ops import offload
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_checkpoint import gpt2, llama, train_step  # noqa: E402
+
+pytest.importorskip("transformers")
+
+CHECKPOINT = {"target": "block", "apply": "checkpoint"}
+OFFLOAD = {"target": "block", "apply": "checkpoint", "offload": True}
+
+
+def pair(build, policy, bf16_weights=False):
+    """(the model compressed by `policy` with plain checkpointing, a copy with offloaded
+    checkpointing, the inputs)."""
+    model, inputs = build()
+    if bf16_weights:
+        model.to(torch.bfloat16)
+    offloaded = copy.deepcopy(model)
+    rules = P.load(policy).to_dict()["rules"]
+    compress(model, {"rules": [*rules, CHECKPOINT]})
+    compress(offloaded, {"rules": [*rules, OFFLOAD]})
+    return model, offloaded, inputs
+
+
+@pytest.mark.parametrize("build, policy", [(llama, "llm"), (llama, "llm+actnn2"),
+                                           (gpt2, "fewbit3+msnorm")],
+                         ids=["llama-llm", "llama-llm+actnn2", "gpt2-fewbit3+msnorm"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16-weights-autocast"])
+def test_the_step_is_plain_checkpointings_bit_for_bit(build, policy, precision):
+    plain, offloaded, inputs = pair(build, policy, precision == "bf16-weights-autocast")
+    autocast = precision != "fp32"
+    for seed in (1, 2):  # dropout and ActNN's rounding draw anew each step, replayed each
+        loss, grads = train_step(plain, inputs, seed, autocast)
+        with offload.host_bytes() as host:
+            loss_o, grads_o = train_step(offloaded, inputs, seed, autocast)
+        assert torch.equal(loss, loss_o)
+        assert grads.keys() == grads_o.keys()
+        assert all(torch.equal(grads[n], grads_o[n]) for n in grads), policy
+        assert host[1] > 0
+
+
+def test_the_host_holds_each_block_input_once_and_shared_inputs_once():
+    model, inputs = llama()
+    compress(model, "llm+offload")
+    with offload.host_bytes() as host:
+        models.loss_of(models.call(model, inputs)).backward()
+    config, (batch, seq) = model.config, inputs["input_ids"].shape
+    hidden = batch * seq * config.hidden_size * 4  # float32 residual stream
+    head = config.hidden_size // config.num_attention_heads
+    rotary = 2 * seq * head * 4  # cos and sin: taken by every layer, copied once
+    assert host[1] == config.num_hidden_layers * hidden + rotary
+    assert host[0] == host[1]  # counted as held until the graph that holds them is freed
+
+
+def test_a_shared_tensor_changed_in_place_is_copied_again():
+    t = torch.randn(4, 8)
+    first = offload._pack(t)
+    assert offload._pack(t) is first
+    t.add_(1)
+    second = offload._pack(t)
+    assert second is not first and torch.equal(offload._unpack(second), t)
+    assert not torch.equal(offload._unpack(first), t)
+    w = torch.nn.Parameter(torch.randn(3))
+    assert offload._pack(w) is w  # weights stay where they are
+
+
+def test_the_estimate_counts_the_host_bytes_apart():
+    rows = estimate("llama-tiny", 2, 32, "fp32", ["llm", "llm+offload"], kernels="cpu").rows
+    lean, off = rows
+    model, _ = models.build("llama-tiny")
+    compress(model, "llm+offload")
+    inputs = models.example_batch(model, 2, 32)
+    with offload.host_bytes() as host:
+        saved, _ = step(model, inputs, "fp32")
+    assert off.host_bytes == host[1] > 0 and lean.host_bytes == 0
+    assert off.saved_bytes == saved.total < lean.saved_bytes
+    assert "host memory: offloaded block inputs (apart)" in estimate(
+        "llama-tiny", 2, 32, "fp32", ["llm+offload"], kernels="cpu").table()
+
+
+def test_copies_and_pickles_keep_the_offload():
+    model, inputs = llama()
+    compress(model, "llm+offload")
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with offload.host_bytes() as host:
+            models.loss_of(models.call(other, inputs)).backward()
+        assert host[1] > 0
+
+
+def test_the_option_is_checked_and_reported():
+    report = compress(llama()[0], "offload")
+    assert "recomputed in backward (checkpoint, its input kept in host memory)" in str(report)
+    with pytest.raises(ActdesignError, match="must be true or false") as info:
+        P.load({"rules": [{**OFFLOAD, "offload": "yes"}]})
+    assert "\n" not in str(info.value)
