@@ -397,6 +397,9 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
               show_default=True,
               help="Whose allocations the peak follows for actdesign's ops: their CUDA "
                    "kernels' or their CPU paths'.")
+@click.option("--offload", "cpu_offload", is_flag=True,
+              help="FSDP2's CPU offload: the weights, gradients and optimizer state on the "
+                   "host; the card holds the units in flight (modelled).")
 @click.option("--max-seq", "max_seq", is_flag=True,
               help="Find the longest sequence (at --batch) whose step fits each --gpu-memory.")
 @click.option("--max-batch", "max_batch", is_flag=True,
@@ -408,7 +411,8 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
               metavar="FILE", help="Also write the estimate as JSON ('-': stdout only).")
 @_FORCE
 def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, four_bit,
-             optimizer, gpu_memory, card, kernels, max_seq, max_batch, step, json_out, force):
+             optimizer, gpu_memory, card, kernels, cpu_offload, max_seq, max_batch, step,
+             json_out, force):
     """Estimate the memory of one training step from a model's config, without its weights
     or a GPU: bytes saved for the backward by module, the activation peak, weights,
     gradients and optimizer state, and the margins a card needs beyond them. Progress goes
@@ -437,7 +441,8 @@ def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, f
         policy_mod.load(p)
     result = run(model_name, batch, seq, precision, policies, checkpointing, optimizer,
                  list(gpu_memory) or None, lambda message: click.echo(message, err=True),
-                 lora, kernels, card, four_bit, longest=longest, step=step)
+                 lora, kernels, card, four_bit, longest=longest, step=step,
+                 cpu_offload=cpu_offload)
     text = json.dumps(result.to_dict(), indent=1)
     if json_out == "-":
         click.echo(text)

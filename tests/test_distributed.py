@@ -34,7 +34,8 @@ BATCH, TOKENS, WIDTH, HIDDEN = 8, 3, 16, 32
 ROUNDOFF = 1e-12
 DDP_CASES = ("fewbit3", "regelu2", "msnorm", "backrazor90", "actnn2")
 FSDP_CASE = "fewbit3+msnorm+backrazor90"  # every deterministic kind of module
-LM_CASES = [("fsdp-head", "llm"), ("wrapped", "llm"), ("fsdp-lora", "llm"), ("fsdp-moe", "llm")]
+LM_CASES = [("fsdp-head", "llm"), ("wrapped", "llm"), ("fsdp-lora", "llm"), ("fsdp-moe", "llm"),
+            ("fsdp-cpu-offload", "llm+offload")]
 # What each policy must replace, so that a no-op compress cannot pass.
 REPLACED = {"fewbit3": {"act"}, "regelu2": {"act"}, "msnorm": {"norm", "fc1"},
             "backrazor90": {"fc1", "fc2"}, "actnn2": {"fc1", "fc2"},
@@ -73,7 +74,7 @@ def make_model(policy):
     return model, report
 
 
-def make_lm(lora=False):
+def make_lm(lora=False, policy="llm"):
     """(llama-tiny compressed with `llm`, float64, dropout off, its token batch): the fused
     loss reads the head's weight through the head's own call. With `lora`, PEFT LoRA on all
     seven projections first (B drawn, so that A's gradients are not zero; no dropout, whose
@@ -93,7 +94,7 @@ def make_lm(lora=False):
                 if "lora_B" in name:
                     p.normal_(0, 0.1)
     ids = torch.randint(1, 512, (BATCH, 6), generator=torch.Generator().manual_seed(3))
-    report = compress(model, "llm", example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
+    report = compress(model, policy, example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
     return model, report, ids
 
 
@@ -128,12 +129,12 @@ def step(model, x, target):
 
 # --- the two processes ---------------------------------------------------------------------------
 
-def run_lm_case(rank, mode):
+def run_lm_case(rank, mode, policy):
     """llm on a transformers model: FSDP2 with the head sharded as its own unit (the loss must
     read the unsharded weight), and compress refusing a model wrapped already."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     from actdesign.errors import ActdesignError
@@ -142,7 +143,7 @@ def run_lm_case(rank, mode):
     if mode == "fsdp-moe":
         model, ids = make_moe()
     else:
-        model, _, ids = make_lm(lora=mode == "fsdp-lora")
+        model, _, ids = make_lm(lora=mode == "fsdp-lora", policy=policy)
     if mode == "wrapped":
         refused = []
         for wrap in (DistributedDataParallel, fully_shard):
@@ -156,10 +157,14 @@ def run_lm_case(rank, mode):
         return {"refused": refused}
     mesh = init_device_mesh("cpu", (WORLD,))
     lm = model.get_base_model() if mode == "fsdp-lora" else model
+    # FSDP2's own engine keeps the weights, gradients and optimizer state on the host
+    # (pinning needs CUDA: on the CPU the host memory is plain)
+    shard = {"mesh": mesh, **({"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+                              if mode == "fsdp-cpu-offload" else {})}
     for layer in lm.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(lm.lm_head, mesh=mesh)  # the head its own unit, as some frameworks wrap it
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **shard)
+    fully_shard(lm.lm_head, **shard)  # the head its own unit, as some frameworks wrap it
+    fully_shard(model, **shard)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss = lm_step(model, ids[local], **({"output_router_logits": True}
@@ -173,8 +178,8 @@ def run_lm_case(rank, mode):
 def run_case(rank, mode, policy):
     import torch.distributed as dist
 
-    if policy == "llm":
-        return run_lm_case(rank, mode)
+    if policy.startswith("llm"):
+        return run_lm_case(rank, mode, policy)
     x, target = batch()
     local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
     model, _ = make_model(policy)  # compressed before wrapping, as compress requires
@@ -298,6 +303,14 @@ def test_fsdp2_matches_one_process(reference, ranks):
 
 def test_fsdp2_with_the_head_its_own_unit_matches_one_process(reference, ranks):
     assert_matches(results_of(ranks, ("fsdp-head", "llm")), *reference["llm"])
+
+
+def test_fsdp2_cpu_offload_of_a_model_with_offloaded_checkpoints_matches_one_process(
+        reference, ranks):
+    """FSDP2's CPUOffloadPolicy (weights, gradients and optimizer state on the host) over
+    `llm+offload` (block inputs on the host): the one-process `llm` step, whose gradients the
+    recompute keeps bit for bit, to round-off."""
+    assert_matches(results_of(ranks, ("fsdp-cpu-offload", "llm+offload")), *reference["llm"])
 
 
 def test_fsdp2_head_unit_returns_no_view(ranks):

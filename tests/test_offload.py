@@ -112,3 +112,18 @@ def test_the_option_is_checked_and_reported():
     with pytest.raises(ActdesignError, match="must be true or false") as info:
         P.load({"rules": [{**OFFLOAD, "offload": "yes"}]})
     assert "\n" not in str(info.value)
+
+
+def test_fsdp2_cpu_offload_moves_the_state_to_the_host_and_keeps_units_in_flight():
+    plain, off = (estimate("llama-tiny", 2, 32, "fp32", ["llm"], kernels="cpu",
+                           cpu_offload=flag).rows[0] for flag in (False, True))
+    model, _ = models.build("llama-tiny")
+    units = [*model.model.layers, model.lm_head]
+    sizes = [sum(p.numel() * 4 for p in u.parameters()) for u in units]
+    sizes.append(sum(p.numel() * 4 for p in model.parameters()) - sum(sizes))  # the root
+    in_flight = sum(sorted(sizes)[-2:]) + max(sizes)  # two units' weights, one's gradients
+    assert off.in_flight_bytes == in_flight
+    assert off.peak_bytes == plain.peak_bytes
+    assert off.total_bytes == off.peak_bytes + in_flight
+    assert off.host_bytes == plain.weights_bytes + plain.gradients_bytes + plain.optimizer_bytes
+    assert off.total_bytes < plain.total_bytes

@@ -64,10 +64,15 @@ class Row:
     margins: footprint.Margins | None = None
     fits: bool | dict | None = None  # one size: whether it fits; several: size -> bool
     longest: dict | None = None  # searched: size as given -> Longest
-    host_bytes: int = 0  # block inputs held in host memory (offload), apart from the total
+    host_bytes: int = 0  # what waits in host memory, apart from the total (see `host`)
+    in_flight_bytes: int = 0  # FSDP2 CPU offload: unsharded weights and gradients on the card
 
     @property
     def total_bytes(self) -> int:
+        """What the card holds: with FSDP2's CPU offload (`in_flight_bytes` > 0), the weights,
+        gradients and optimizer state are on the host, and the card holds the units in flight."""
+        if self.in_flight_bytes:
+            return self.peak_bytes + self.in_flight_bytes
         return self.peak_bytes + self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
 
     @property
@@ -88,7 +93,8 @@ class Row:
                 "margins": None if self.margins is None else self.margins.to_dict(),
                 "total_with_margin_bytes": self.needed_bytes,
                 "fits": self.fits, "weight_copy_bytes": self.constant,
-                "host_bytes": self.host_bytes, "saved_by_module": self.saved,
+                "host_bytes": self.host_bytes, "in_flight_bytes": self.in_flight_bytes,
+                "saved_by_module": self.saved,
                 **self._longest_dict()}
 
     def _longest_dict(self) -> dict:
@@ -135,13 +141,15 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     card: str | None = None
     four_bit: bool = False
+    cpu_offload: bool = False
 
     def to_dict(self) -> dict:
         sizes = [n for _, n in self.gpu_memory]
         return {"format": "actdesign.estimate", "model": self.model, "shape": self.shape,
                 "precision": self.precision,
                 "checkpointing": self.checkpointing, "lora_rank": self.lora,
-                "four_bit": self.four_bit, "kernels": self.kernels,
+                "four_bit": self.four_bit, "cpu_offload": self.cpu_offload,
+                "kernels": self.kernels,
                 "optimizer": self.optimizer, "card": self.card,
                 "config": self.config, "warnings": self.warnings,
                 "gpu_memory_bytes": sizes[0] if len(sizes) == 1 else sizes or None,
@@ -158,6 +166,7 @@ class Estimate:
         checkpointing = "with" if self.checkpointing else "without"
         lora = f", LoRA rank {self.lora} on every Linear layer" if self.lora else ""
         lora += " over a 4-bit NF4 base (modelled)" if self.four_bit else ""
+        lora += ", FSDP2 CPU offload (modelled)" if self.cpu_offload else ""
         lines = [*([describe(self.config)] if self.config else []),
                  *(f"warning: {w}" for w in self.warnings),
                  f"{self.model}, {self.shape}, {self.precision}{lora}, {checkpointing} "
@@ -173,16 +182,19 @@ class Estimate:
         lines += [line(name, values) for name, values in patterns.items()]
         if any(r.constant for r in self.rows):
             lines.append(line("weight copies (once per step)", [r.constant for r in self.rows]))
+        host = " (on the host)" if self.cpu_offload else ""
         for label, attr in (("saved total", "saved_bytes"), ("activation peak", "peak_bytes"),
-                            ("weights", "weights_bytes"), ("gradients", "gradients_bytes"),
-                            (f"optimizer state ({footprint.OPTIMIZERS[self.optimizer][0]})",
-                             "optimizer_bytes"),
-                            ("total", "total_bytes")):
+                            ("weights" + host, "weights_bytes"),
+                            ("gradients" + host, "gradients_bytes"),
+                            (f"optimizer state ({footprint.OPTIMIZERS[self.optimizer][0]})"
+                             + host, "optimizer_bytes"),
+                            *([("FSDP2 units in flight (weights, grads)", "in_flight_bytes")]
+                              if self.cpu_offload else []),
+                            ("total on the card", "total_bytes")):
             lines.append(line(label, [getattr(r, attr) for r in self.rows]))
         lines += self._margin_lines(line, width, scale, unit)
         if any(r.host_bytes for r in self.rows):
-            lines.append(line("host memory: offloaded block inputs (apart)",
-                              [r.host_bytes for r in self.rows]))
+            lines.append(line("host memory (not on the card)", [r.host_bytes for r in self.rows]))
         if self.rows[0].longest:
             lines += self._longest_lines(width, scale, unit)
         return "\n".join(lines)
@@ -340,6 +352,7 @@ class _Setup:
     card: cards.Card | None
     four_bit: bool
     example: object = None  # real inputs to run instead of random tokens
+    cpu_offload: bool = False
 
 
 class _ShapesOnly(FakeTensorMode):
@@ -355,7 +368,7 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
              gpu_memory=None, progress=None, lora: int | None = None, kernels: str = "cuda",
              card: str | None = None, four_bit: bool = False,
              example_inputs=None, longest: str | None = None,
-             step: int | None = None) -> Estimate:
+             step: int | None = None, cpu_offload: bool = False) -> Estimate:
     """Estimate one training step at `batch` x `seq`, in `precision` (one of PRECISIONS),
     with gradient checkpointing or not: saved bytes by module, activation peak, weights,
     gradients and `optimizer` state (footprint.OPTIMIZERS), the margins a card needs beyond
@@ -374,7 +387,11 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
     of random tokens at `batch` x `seq`, as a model object other than a transformers model
     needs. `longest`: "seq" or "batch", to search instead for the largest multiple of `step`
     (default 256 tokens, 1 sequence) along it whose step fits each `gpu_memory` size, by
-    shape-only steps (`Longest`); each row is then the step at the first size's answer."""
+    shape-only steps (`Longest`); each row is then the step at the first size's answer.
+    `cpu_offload`: FSDP2's CPUOffloadPolicy, every block, the output embedding and the rest
+    each a unit: the weights, gradients and optimizer state are on the host, and the card
+    holds two units' unsharded weights (the one running and the one prefetched) and one's
+    gradients, the largest (modelled)."""
     check_precision(precision)
     for value, what in ((batch, "batch"), (seq, "sequence length")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -408,7 +425,7 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
 
     label, config, module, warnings = _source(model)
     setup = _Setup(label, config, module, batch, seq, precision, checkpointing, optimizer,
-                   lora, kernels, priced_by, four_bit, example_inputs)
+                   lora, kernels, priced_by, four_bit, example_inputs, cpu_offload)
     vision = getattr(config, "image_size", None)
     if longest == "seq" and vision:
         raise ActdesignError(f"model {label!r} takes {vision}x{vision} images: it has no "
@@ -432,7 +449,7 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
         shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision
                                       else f"sequence {seq}")
     return Estimate(label, shape, precision, checkpointing, optimizer, sizes, lora, kernels,
-                    rows, built, warnings, card, four_bit)
+                    rows, built, warnings, card, four_bit, cpu_offload)
 
 
 SEARCHED = {"seq": 256, "batch": 1}  # what `longest` searches, and its default step
@@ -645,6 +662,7 @@ def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, built: d
         weights = _distinct((*model.parameters(), *model.buffers()))
         trainable = _distinct(p for p in model.parameters() if p.requires_grad)
         quantized = _quantized(model) if setup.four_bit else {}
+        in_flight = _in_flight(model) if setup.cpu_offload else 0
         say("one training step")
         peaks = {}
         with host_bytes() as host:
@@ -661,9 +679,33 @@ def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, built: d
                                              for n in (*nbytes.values(), *grads))
     margins = footprint.margins(setup.card, footprint.family_of(policy, setup.checkpointing),
                                 peak, rounding)
+    optimizer = footprint.optimizer_bytes(setup.optimizer, trainable.values())
+    held = host[1] + (weights_bytes + sum(grads) + optimizer if in_flight else 0)
     return Row(name, saved.by_module, saved.total, saved.constant, peak, weights_bytes,
-               sum(grads), footprint.optimizer_bytes(setup.optimizer, trainable.values()),
-               margins, host_bytes=host[1])
+               sum(grads), optimizer, margins, host_bytes=held, in_flight_bytes=in_flight)
+
+
+def _in_flight(model) -> int:
+    """FSDP2 with CPU offload, on one card: the most bytes its units hold there at once, two
+    units' unsharded weights (the one running, the next prefetched) and one's gradients
+    before they go to the host. The units: each block (an element of a layer list), the
+    output embedding, and the rest (the root)."""
+    base = models.transformers_model(model) or model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    units, seen = [], set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList):
+            units += [c for c in m.children() if not any(c is u for u in units)]
+    units += [head] if head is not None else []
+    sizes = []
+    for unit in [*units, model]:
+        params = [p for p in unit.parameters() if storage_key(p) not in seen]
+        seen.update(storage_key(p) for p in params)
+        weights = sum(p.numel() * p.element_size() for p in params)
+        grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        sizes.append((weights, grads))
+    weights = sorted((w for w, _ in sizes), reverse=True)
+    return sum(weights[:2]) + max(g for _, g in sizes)
 
 
 def _built(model) -> dict:
