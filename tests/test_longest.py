@@ -110,3 +110,14 @@ def test_the_command_writes_max_seq_in_each_row(capsys, tmp_path):
     assert [r["policy"] for r in rows] == ["none", "llm"]
     assert all(r["max_seq"] % 128 == 0 and r["max_seq"] > 0 for r in rows)
     assert rows[1]["max_seq"] >= rows[0]["max_seq"]  # llm keeps less per token
+
+
+def test_the_peak_says_how_much_of_it_the_forward_kept():
+    rows = estimate("llama-tiny", 2, 256, "fp32", ["none", "llm", "llm+offload"],
+                    kernels="cpu").rows
+    for row in rows:
+        assert 0 < row.peak_kept_bytes <= min(row.saved_bytes, row.peak_bytes), row.policy
+    none, llm, offloaded = rows
+    # eager keeps nearly all it saves to the peak; recomputed blocks on the host keep little
+    assert none.peak_kept_bytes > 0.9 * none.saved_bytes
+    assert offloaded.peak_kept_bytes < 0.1 * llm.peak_kept_bytes

@@ -93,7 +93,7 @@ def test_the_estimate_counts_the_host_bytes_apart():
         saved, _ = step(model, inputs, "fp32")
     assert off.host_bytes == host[1] > 0 and lean.host_bytes == 0
     assert off.saved_bytes == saved.total < lean.saved_bytes
-    assert "host memory: offloaded block inputs (apart)" in estimate(
+    assert "host memory (not on the card)" in estimate(
         "llama-tiny", 2, 32, "fp32", ["llm+offload"], kernels="cpu").table()
 
 

@@ -66,6 +66,7 @@ class Row:
     longest: dict | None = None  # searched: size as given -> Longest
     host_bytes: int = 0  # what waits in host memory, apart from the total (see `host`)
     in_flight_bytes: int = 0  # FSDP2 CPU offload: unsharded weights and gradients on the card
+    peak_kept_bytes: int = 0  # of the peak: what the forward kept for the backward
 
     @property
     def total_bytes(self) -> int:
@@ -94,6 +95,7 @@ class Row:
                 "total_with_margin_bytes": self.needed_bytes,
                 "fits": self.fits, "weight_copy_bytes": self.constant,
                 "host_bytes": self.host_bytes, "in_flight_bytes": self.in_flight_bytes,
+                "peak_kept_bytes": self.peak_kept_bytes,
                 "saved_by_module": self.saved,
                 **self._longest_dict()}
 
@@ -184,6 +186,8 @@ class Estimate:
             lines.append(line("weight copies (once per step)", [r.constant for r in self.rows]))
         host = " (on the host)" if self.cpu_offload else ""
         for label, attr in (("saved total", "saved_bytes"), ("activation peak", "peak_bytes"),
+                            ("  of it kept by the forward for the backward",
+                             "peak_kept_bytes"),
                             ("weights" + host, "weights_bytes"),
                             ("gradients" + host, "gradients_bytes"),
                             (f"optimizer state ({footprint.OPTIMIZERS[self.optimizer][0]})"
@@ -263,6 +267,7 @@ class _Live(TorchDispatchMode):
         self.known = set(known)
         self.live: dict[int, tuple[int, int]] = {}  # storage_key -> (allocation, bytes)
         self.events: list[tuple[int, int]] = []
+        self.keys: dict[int, int] = {}  # allocation -> its storage_key
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -279,11 +284,30 @@ class _Live(TorchDispatchMode):
         allocation = len(self.events)
         self.live[key] = (allocation, storage.nbytes())
         self.events.append((allocation, storage.nbytes()))
+        self.keys[allocation] = key
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key):
         allocation, n = self.live.pop(key)
         self.events.append((allocation, -n))
+
+    def alive_at_peak(self, leave_out=()) -> dict[int, int]:
+        """{storage_key: bytes} of the storages alive when the most bytes were (the first such
+        moment), allocations in `leave_out` aside."""
+        leave_out = {self.live[k][0] for k in leave_out if k in self.live}
+        now = best = 0
+        alive, at_best = {}, {}
+        for allocation, n in self.events:
+            if allocation in leave_out:
+                continue
+            now += n
+            if n > 0:
+                alive[allocation] = n
+            else:
+                alive.pop(allocation, None)
+            if now > best:
+                best, at_best = now, dict(alive)
+        return {self.keys[a]: n for a, n in at_best.items()}
 
     def peak(self, leave_out=(), between=None, rounded=False) -> int:
         """The most bytes alive at once, allocations in `leave_out` aside; with `between`, a
@@ -682,7 +706,8 @@ def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, built: d
     optimizer = footprint.optimizer_bytes(setup.optimizer, trainable.values())
     held = host[1] + (weights_bytes + sum(grads) + optimizer if in_flight else 0)
     return Row(name, saved.by_module, saved.total, saved.constant, peak, weights_bytes,
-               sum(grads), optimizer, margins, host_bytes=held, in_flight_bytes=in_flight)
+               sum(grads), optimizer, margins, host_bytes=held, in_flight_bytes=in_flight,
+               peak_kept_bytes=peaks["kept"])
 
 
 def _in_flight(model) -> int:
@@ -790,6 +815,8 @@ def step(model, inputs, precision, window_peaks=None, peaks=None) -> tuple:
             window_peaks[name] = live.peak(grads, between=window["events"])
     if peaks is not None:
         peaks["rounded"] = live.peak(grads, rounded=True)
+        peaks["kept"] = sum(saved.storages[key] for key in live.alive_at_peak(grads)
+                            if key in saved.storages)
     return saved, live.peak(grads)
 
 
