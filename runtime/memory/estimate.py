@@ -704,7 +704,7 @@ def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, built: d
     margins = footprint.margins(setup.card, footprint.family_of(policy, setup.checkpointing),
                                 peak, rounding)
     optimizer = footprint.optimizer_bytes(setup.optimizer, trainable.values())
-    held = host[1] + (weights_bytes + sum(grads) + optimizer if in_flight else 0)
+    held = host[0] + (weights_bytes + sum(grads) + optimizer if in_flight else 0)
     return Row(name, saved.by_module, saved.total, saved.constant, peak, weights_bytes,
                sum(grads), optimizer, margins, host_bytes=held, in_flight_bytes=in_flight,
                peak_kept_bytes=peaks["kept"])

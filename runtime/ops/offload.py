@@ -124,14 +124,15 @@ def _count(nbytes: int) -> None:
     counter = _STATE.__dict__.get("counter")
     if counter is not None:
         counter[0] += nbytes
-        counter[1] = max(counter[1], counter[0])
 
 
 @contextlib.contextmanager
 def host_bytes():
-    """Counts the host bytes block inputs take while open: yields [held now, most held]."""
+    """Counts the bytes of block inputs copied to the host while open: yields [bytes]. In one
+    training step that is what the host holds at most, since every input waits there until
+    the backward has read it."""
     previous = _STATE.__dict__.get("counter")
-    _STATE.counter = [0, 0]
+    _STATE.counter = [0]
     try:
         yield _STATE.counter
     finally:
