@@ -236,7 +236,7 @@ class Estimate:
                 left = size - r.needed_bytes
                 verdict = f"yes, {left / scale:,.2f} left" if left >= 0 else \
                     f"no, {-left / scale:,.2f} over"
-                cells.append(f"{verdict:>{width}}")
+                cells.append(f" {verdict:>{width - 1}}")  # a space even where it is wide
             assumed = "" if measured else ", margins assumed"
             lines.append(f"{f'fits in {given} ({unit}{assumed})':<48}" + "".join(cells))
         return lines
