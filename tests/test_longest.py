@@ -84,6 +84,8 @@ def test_the_search_refuses_what_it_cannot_answer():
         estimate("vit-tiny", 1, 16, gpu_memory="80GB", longest="seq")
     with pytest.raises(ActdesignError, match="step must be a positive integer"):
         estimate("llama-tiny", 1, 16, gpu_memory="80GB", longest="seq", step=0)
+    with pytest.raises(ActdesignError, match="longer than the 1,024 positions"):
+        estimate("gpt2-tiny", 1, 16, gpu_memory="80GB", longest="seq", step=4096)
     with pytest.raises(ActdesignError, match="longest must be one of"):
         estimate("llama-tiny", 1, 16, gpu_memory="80GB", longest="tokens")
 

@@ -498,6 +498,9 @@ def _searched(setup: _Setup, name, policy, say, built, dimension, step, sizes) -
     """The row at the longest `dimension` that fits the first size, with every size's
     answer (`Row.longest`)."""
     cap = _sequence_cap(setup) if dimension == "seq" else None
+    if cap is not None and step > cap:
+        raise ActdesignError(f"the search's step {step:,} is longer than the {cap:,} positions "
+                             f"model {setup.name!r} learned: give a smaller --step")
     priced = {}
 
     def price(value) -> Row:
