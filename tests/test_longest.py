@@ -86,6 +86,10 @@ def test_the_search_refuses_what_it_cannot_answer():
         estimate("llama-tiny", 1, 16, gpu_memory="80GB", longest="seq", step=0)
     with pytest.raises(ActdesignError, match="longer than the 1,024 positions"):
         estimate("gpt2-tiny", 1, 16, gpu_memory="80GB", longest="seq", step=4096)
+    with pytest.raises(ActdesignError, match="example_inputs fix the shape"):
+        estimate("llama-tiny", 1, 16, gpu_memory="80GB", longest="batch",
+                 example_inputs={"input_ids": models.example_batch(
+                     models.build("llama-tiny")[0], 1, 16)["input_ids"]})
     with pytest.raises(ActdesignError, match="longest must be one of"):
         estimate("llama-tiny", 1, 16, gpu_memory="80GB", longest="tokens")
 

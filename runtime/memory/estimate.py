@@ -434,6 +434,9 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
     step = SEARCHED.get(longest, 1) if step is None else step
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ActdesignError(f"the search's step must be a positive integer, got {step!r}")
+    if longest is not None and example_inputs is not None:
+        raise ActdesignError(f"the longest {longest} is searched on random tokens of each "
+                             "shape: example_inputs fix the shape, leave them out")
     if longest is not None and gpu_memory is None:
         raise ActdesignError(f"the longest {longest} is searched against a card: give its "
                              "memory (--gpu-memory)")
