@@ -122,8 +122,10 @@ def test_the_peak_says_how_much_of_it_the_forward_kept():
     rows = estimate("llama-tiny", 2, 256, "fp32", ["none", "llm", "llm+offload"],
                     kernels="cpu").rows
     for row in rows:
-        assert 0 < row.peak_kept_bytes <= min(row.saved_bytes, row.peak_bytes), row.policy
+        assert 0 <= row.peak_kept_bytes <= min(row.saved_bytes, row.peak_bytes), row.policy
     none, llm, offloaded = rows
-    # eager keeps nearly all it saves to the peak; recomputed blocks on the host keep little
+    # eager keeps nearly all it saves to the peak, llm most; with every block's input on the
+    # host the peak is in a block's backward, after the head's and the final norm's
     assert none.peak_kept_bytes > 0.9 * none.saved_bytes
+    assert llm.peak_kept_bytes > 0.5 * llm.saved_bytes
     assert offloaded.peak_kept_bytes < 0.1 * llm.peak_kept_bytes

@@ -267,7 +267,6 @@ class _Live(TorchDispatchMode):
         self.known = set(known)
         self.live: dict[int, tuple[int, int]] = {}  # storage_key -> (allocation, bytes)
         self.events: list[tuple[int, int]] = []
-        self.keys: dict[int, int] = {}  # allocation -> its storage_key
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -284,30 +283,29 @@ class _Live(TorchDispatchMode):
         allocation = len(self.events)
         self.live[key] = (allocation, storage.nbytes())
         self.events.append((allocation, storage.nbytes()))
-        self.keys[allocation] = key
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key):
         allocation, n = self.live.pop(key)
         self.events.append((allocation, -n))
 
-    def alive_at_peak(self, leave_out=()) -> dict[int, int]:
-        """{storage_key: bytes} of the storages alive when the most bytes were (the first such
-        moment), allocations in `leave_out` aside."""
+    def alive_at_peak(self, leave_out=()) -> set[int]:
+        """The allocations alive when the most bytes were (the first such moment),
+        allocations in `leave_out` aside."""
         leave_out = {self.live[k][0] for k in leave_out if k in self.live}
-        now = best = 0
-        alive, at_best = {}, {}
-        for allocation, n in self.events:
-            if allocation in leave_out:
-                continue
+        events = [(a, n) for a, n in self.events if a not in leave_out]
+        now = best = end = 0
+        for i, (_, n) in enumerate(events):
             now += n
-            if n > 0:
-                alive[allocation] = n
-            else:
-                alive.pop(allocation, None)
             if now > best:
-                best, at_best = now, dict(alive)
-        return {self.keys[a]: n for a, n in at_best.items()}
+                best, end = now, i + 1
+        alive = set()
+        for allocation, n in events[:end]:
+            if n > 0:
+                alive.add(allocation)
+            else:
+                alive.discard(allocation)
+        return alive
 
     def peak(self, leave_out=(), between=None, rounded=False) -> int:
         """The most bytes alive at once, allocations in `leave_out` aside; with `between`, a
@@ -810,6 +808,9 @@ def step(model, inputs, precision, window_peaks=None, peaks=None) -> tuple:
     try:
         with live:
             saved, out = account(model, loss)
+            # what the forward kept, by allocation: every saved storage is alive now, so its
+            # key names it (a key freed later may name another storage)
+            kept = {live.live[k][0]: n for k, n in saved.storages.items() if k in live.live}
             out.backward()
             del out
     finally:
@@ -821,8 +822,8 @@ def step(model, inputs, precision, window_peaks=None, peaks=None) -> tuple:
             window_peaks[name] = live.peak(grads, between=window["events"])
     if peaks is not None:
         peaks["rounded"] = live.peak(grads, rounded=True)
-        peaks["kept"] = sum(saved.storages[key] for key in live.alive_at_peak(grads)
-                            if key in saved.storages)
+        alive = live.alive_at_peak(grads)
+        peaks["kept"] = sum(n for a, n in kept.items() if a in alive)
     return saved, live.peak(grads)
 
 
