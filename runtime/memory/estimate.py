@@ -289,10 +289,13 @@ class _Live(TorchDispatchMode):
         allocation, n = self.live.pop(key)
         self.events.append((allocation, -n))
 
+    def _allocations(self, keys) -> set[int]:
+        return {self.live[k][0] for k in keys if k in self.live}
+
     def alive_at_peak(self, leave_out=()) -> set[int]:
         """The allocations alive when the most bytes were (the first such moment),
         allocations in `leave_out` aside."""
-        leave_out = {self.live[k][0] for k in leave_out if k in self.live}
+        leave_out = self._allocations(leave_out)
         events = [(a, n) for a, n in self.events if a not in leave_out]
         now = best = end = 0
         for i, (_, n) in enumerate(events):
@@ -311,7 +314,7 @@ class _Live(TorchDispatchMode):
         """The most bytes alive at once, allocations in `leave_out` aside; with `between`, a
         pair of event counts, the most alive from the first to the second; with `rounded`,
         each block rounded up as the CUDA allocator rounds it."""
-        leave_out = {self.live[k][0] for k in leave_out if k in self.live}
+        leave_out = self._allocations(leave_out)
         start, end = between or (0, len(self.events))
         now = peak = 0
         for i, (allocation, n) in enumerate(self.events[:end]):
@@ -721,13 +724,10 @@ def _in_flight(model) -> int:
     output embedding, and the rest (the root)."""
     base = models.transformers_model(model) or model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    units, seen = [], set()
-    for m in model.modules():
-        if isinstance(m, torch.nn.ModuleList):
-            units += [c for c in m.children() if not any(c is u for u in units)]
-    units += [head] if head is not None else []
-    sizes = []
-    for unit in [*units, model]:
+    units = [c for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+             for c in m.children()]  # a list nested in a unit adds no bytes: `seen`
+    seen, sizes = set(), []
+    for unit in [*units, *([head] if head is not None else []), model]:
         params = [p for p in unit.parameters() if storage_key(p) not in seen]
         seen.update(storage_key(p) for p in params)
         weights = sum(p.numel() * p.element_size() for p in params)
