@@ -19,6 +19,11 @@
 #   margins: benchmarks/gpu_margins.py measures the card's memory margins for `estimate`
 #      (the CUDA context, the allocator's fragmentation per policy family; merged into the
 #      same card file), then runs a real step where the estimate fits with little to spare.
+# Long sequences (under 8 minutes; run it alone):
+#   long: benchmarks/gpu_long.py, the host link's copy rate, then LoRA r=16 on the
+#      Llama-3.1-8B config at 32K, 64K and 128K tokens with llm+tiled+offload and with
+#      llm+tiled+checkpoint: max_memory_allocated against the estimate's total, step times,
+#      and offload's step over the step without it.
 # Memory and exactness (2026-12-04 on an H200: estimate about 65 s, gpu_check 90 s, lora_memory
 # 80 s without Liger and Unsloth):
 #   estimate: `actdesign estimate`'s activation peak and saved bytes for the built-in llama at
@@ -107,4 +112,5 @@ stage runtime 210 python benchmarks/runtime.py --device cuda --acts gelu --markd
 stage llm_memory 180 python benchmarks/llm_memory.py --device cuda --batch 16 --seq 1024 --at-peak \
     --repeats 5 --markdown
 stage gpu_check 240 python benchmarks/gpu_check.py --device cuda
+stage long 470 python benchmarks/gpu_long.py --device cuda --seconds 330 --markdown
 exit $status

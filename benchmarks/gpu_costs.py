@@ -6,6 +6,7 @@ repository).
 
 Measured, in one run:
 - bytes_per_s: a device-to-device copy of 2^27 float32 (read and write);
+- host_bytes_per_s: pinned copies of 2^28 bytes between host and card, the slower way;
 - flops_per_s: a whole lossless (`llm`) training step of --model at --batch x --seq under
   bf16 autocast (forward, backward, fused AdamW), its forward and backward FLOPs (torch's
   FlopCounterMode on one step) over its median time;
@@ -109,6 +110,22 @@ def option_costs(device, repeats, n=2**24, width=4096) -> dict:
     return out
 
 
+def host_rate(repeats, size=2**28) -> float:
+    """Bytes per second of a pinned copy between host and card, the slower of the two ways."""
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    card = torch.empty(size, dtype=torch.uint8, device="cuda")
+    rates = []
+    for dst, src in ((card, host), (host, card)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        rates.append(repeats * size / (time.perf_counter() - start))
+    return min(rates)
+
+
 def measure_card(model, batch, seq, device="cuda", repeats=10, n=2**24, width=4096,
                  copied=2**27) -> dict:
     """The costs of the card `device` runs on, as runtime/memory/cards.py reads them: options priced
@@ -117,6 +134,7 @@ def measure_card(model, batch, seq, device="cuda", repeats=10, n=2**24, width=40
     return {"device": where, "model": model, "shape": f"{batch} x {seq}",
             "date": str(datetime.date.today()), "torch": torch.__version__,
             "bytes_per_s": copy_gbs(device, repeats, copied) * 1e9,
+            **({"host_bytes_per_s": host_rate(repeats)} if device == "cuda" else {}),
             "flops_per_s": step_rate(model, batch, seq, device, repeats),
             "option_s_per_byte": option_costs(device, repeats, n, width)}
 

@@ -1,5 +1,6 @@
-"""The exact memory plan: one option per site and a recompute flag per block, least gradient
-error under an activation-memory budget and a step-time limit.
+"""The exact memory plan: one option per site and a recompute flag per block (and, where a
+block offers it, an offload flag), least gradient error under an activation-memory budget and
+a step-time limit.
 
 The model. A site keeps `bytes` for the backward pass with its chosen option, adds `error` to
 the gradient and `time` to the step. A block either keeps what it saves (its sites' bytes plus
@@ -14,6 +15,13 @@ sites: everything re-materialised on top of the largest working memory of the st
           = max(saved + transient, saved + max_{b: r_b} held_b), R_b = max(0, held_b - transient)
     time  = base + Σ_s time[s, c_s] + Σ_{b: r_b} time_b
     error = Σ_s error[s, c_s]
+
+A recomputed block with an `offload_time` may also be offloaded (o_b): its input waits in host
+memory, so it leaves the saved bytes (- input_b), and costs offload_time_b more; while its
+backward runs, its input is back on the card and the next one's is fetched ahead, so its R_b
+grows by input_b + the largest input of an offloadable block (I):
+
+    saved -= Σ_{b: o_b} input_b,   R_b += (input_b + I) if o_b,   time += Σ_{b: o_b} offload_b
 
 `solve` minimises error subject to peak <= budget and time <= max_time; among plans of equal
 error the least time, then the least peak. Equal means within ERROR_TIE (TIME_TIE) of the
@@ -110,6 +118,8 @@ class Block:
     inner_bytes: int  # saved by it, counted by none of its sites
     time: float  # its recomputation (a forward)
     held_bytes: int | None = None  # held beyond the saved bytes while its backward runs
+    offload_time: float | None = None  # its input's copies to the host and back; None: not
+    # offered
 
     def __post_init__(self):
         what = f"block {self.name!r}"
@@ -118,6 +128,9 @@ class Block:
         object.__setattr__(self, "time", _amount(self.time, f"{what}: time"))
         if self.held_bytes is not None:
             object.__setattr__(self, "held_bytes", _count(self.held_bytes, f"{what}: held_bytes"))
+        if self.offload_time is not None:
+            object.__setattr__(self, "offload_time",
+                               _amount(self.offload_time, f"{what}: offload_time"))
 
 
 @dataclass(frozen=True)
@@ -157,6 +170,7 @@ class Solution:
     peak: int
     time: float
     error: float
+    offloaded: tuple[bool, ...] = ()  # per block: its input in host memory (recomputed too)
 
 
 def _byte_bound(problem):
@@ -165,7 +179,8 @@ def _byte_bound(problem):
             + sum(max(o.bytes for o in s.options) for s in problem.sites)
             + 2 * sum(s.options[0].bytes for s in problem.sites)
             + 2 * sum(b.inner_bytes + b.input_bytes + (b.held_bytes or 0)
-                      for b in problem.blocks))
+                      for b in problem.blocks)
+            + sum(_offload_bytes(problem)))
 
 
 def _remat(problem):
@@ -180,14 +195,32 @@ def _remat(problem):
             for b, k in zip(problem.blocks, keep, strict=True)], keep
 
 
-def evaluate(problem: Problem, choice, recomputed) -> Solution:
+def _offload_bytes(problem):
+    """Per block, what offloading it adds to R_b: its input back on the card, and the next
+    block's fetched ahead (at most the largest input of a block that can be offloaded)."""
+    ahead = max((b.input_bytes for b in problem.blocks if b.offload_time is not None),
+                default=0)
+    return [b.input_bytes + ahead if b.offload_time is not None else 0
+            for b in problem.blocks]
+
+
+def evaluate(problem: Problem, choice, recomputed, offloaded=None) -> Solution:
     """Price a plan by the model above, exactly: bytes as integers, times and errors as
-    correctly rounded sums. A site of a recomputed block must choose keep (0)."""
+    correctly rounded sums. A site of a recomputed block must choose keep (0); an offloaded
+    block must be recomputed and offer offloading."""
     choice, recomputed = tuple(int(c) for c in choice), tuple(bool(r) for r in recomputed)
-    if len(choice) != len(problem.sites) or len(recomputed) != len(problem.blocks):
+    offloaded = (False,) * len(recomputed) if offloaded is None else \
+        tuple(bool(o) for o in offloaded)
+    if len(choice) != len(problem.sites) or len(recomputed) != len(problem.blocks) \
+            or len(offloaded) != len(problem.blocks):
         raise ActdesignError(f"a plan needs {len(problem.sites)} choices and "
-                             f"{len(problem.blocks)} recompute flags, got {len(choice)} and "
-                             f"{len(recomputed)}")
+                             f"{len(problem.blocks)} recompute and offload flags, got "
+                             f"{len(choice)}, {len(recomputed)} and {len(offloaded)}")
+    for block, r, o in zip(problem.blocks, recomputed, offloaded, strict=True):
+        if o and not r:
+            raise ActdesignError(f"block {block.name!r} is offloaded but not recomputed")
+        if o and block.offload_time is None:
+            raise ActdesignError(f"block {block.name!r} does not offer offloading")
     remat, keep = _remat(problem)
     saved, times, errors = problem.fixed_bytes, [problem.base_time], []
     for site, c in zip(problem.sites, choice, strict=True):
@@ -199,16 +232,20 @@ def evaluate(problem: Problem, choice, recomputed) -> Solution:
         saved += option.bytes
         times.append(option.time)
         errors.append(option.error)
-    most = 0
+    most, extra = 0, _offload_bytes(problem)
     for b, block in enumerate(problem.blocks):
-        if recomputed[b]:
+        if offloaded[b]:
+            saved -= keep[b]
+            times += [block.time, block.offload_time]
+            most = max(most, remat[b] + extra[b])
+        elif recomputed[b]:
             saved += block.input_bytes - keep[b]
             times.append(block.time)
             most = max(most, remat[b])
         else:
             saved += block.inner_bytes
     return Solution(choice, recomputed, saved, saved + problem.transient_bytes + most,
-                    math.fsum(times), math.fsum(errors))
+                    math.fsum(times), math.fsum(errors), offloaded)
 
 
 def _power_of_two(x):
@@ -217,10 +254,11 @@ def _power_of_two(x):
 
 
 class _Milp:
-    """The formulation. Columns: x (the options left after dominance), r per block, then m
-    (in byte units) when there are blocks. Rows: one option per site; keep when recomputed;
-    m >= R_b r_b; then the limits. Every row is in units of a power of two, so that its
-    coefficients are of order one (HiGHS is unreliable with 1e9-sized ones) and exact."""
+    """The formulation. Columns: x (the options left after dominance), r per block, o per block
+    that can be offloaded, then m (in byte units) when there are blocks. Rows: one option
+    per site; keep when recomputed; o_b <= r_b; m >= R_b r_b + (input_b + I) o_b; then the
+    limits. Every row is in units of a power of two, so that its coefficients are of order
+    one (HiGHS is unreliable with 1e9-sized ones) and exact."""
 
     def __init__(self, problem: Problem):
         self.problem = problem
@@ -233,26 +271,32 @@ class _Milp:
                    for s, k in zip(self.site_of, self.option_of, strict=True)]
         blocks, remat, keep = problem.blocks, *_remat(problem)
         self.nx, self.nb, tail = len(options), len(blocks), [1] if blocks else []
-        self.n = self.nx + self.nb + len(tail)
+        self.offloadable = [b for b, block in enumerate(blocks) if block.offload_time is not None]
+        self.nf, extra = len(self.offloadable), _offload_bytes(problem)
+        self.n = self.nx + self.nb + self.nf + len(tail)
         peak = [o.bytes for o in options] + [
-            b.input_bytes - k - b.inner_bytes for b, k in zip(blocks, keep, strict=True)]
-        self.unit = min(_power_of_two(max(map(abs, peak + remat), default=0)), BYTE_UNIT)
+            b.input_bytes - k - b.inner_bytes for b, k in zip(blocks, keep, strict=True)] + [
+            -blocks[b].input_bytes for b in self.offloadable]
+        reach = [r + e for r, e in zip(remat, extra, strict=True)]  # m's largest, offloaded
+        self.unit = min(_power_of_two(max(map(abs, peak + reach), default=0)), BYTE_UNIT)
         # Per column, in units: peak minus peak_constant, time minus base, error.
         self.peak = np.append(np.array(peak, dtype=float) / self.unit, tail)  # m: in units
         self.peak_constant = (problem.fixed_bytes + problem.transient_bytes
                               + sum(b.inner_bytes for b in blocks))
-        time = [o.time for o in options] + [b.time for b in blocks] + [0] * len(tail)
+        time = [o.time for o in options] + [b.time for b in blocks] + [
+            blocks[b].offload_time for b in self.offloadable] + [0] * len(tail)
         self.seconds = _power_of_two(max(time + [problem.base_time]))
         self.time = np.array(time) / self.seconds
-        error = [o.error for o in options] + [0] * (self.nb + len(tail))
+        error = [o.error for o in options] + [0] * (self.nb + self.nf + len(tail))
         self.errors = _power_of_two(max(error, default=0))
         self.error = np.array(error) / self.errors
-        self.upper = np.array([1] * (self.nx + self.nb) + [max(remat, default=0) / self.unit]
-                              * len(tail), dtype=float)
-        self.binary = np.array([1] * (self.nx + self.nb) + [0] * len(tail))  # m: continuous
-        self.structure = self._structure(remat)
+        flags = self.nx + self.nb + self.nf
+        self.upper = np.array([1] * flags + [max(reach, default=0) / self.unit] * len(tail),
+                              dtype=float)
+        self.binary = np.array([1] * flags + [0] * len(tail))  # m: continuous
+        self.structure = self._structure(remat, extra)
 
-    def _structure(self, remat):
+    def _structure(self, remat, extra):
         entries, lower, upper = [], [], []
 
         def row(terms, lo, hi):
@@ -260,7 +304,8 @@ class _Milp:
             lower.append(lo)
             upper.append(hi)
 
-        sites, m = self.problem.sites, self.nx + self.nb
+        sites, m = self.problem.sites, self.nx + self.nb + self.nf
+        offload_column = {b: self.nx + self.nb + i for i, b in enumerate(self.offloadable)}
         columns = [[] for _ in sites]
         for j, s in enumerate(self.site_of):
             columns[s].append(j)
@@ -269,7 +314,11 @@ class _Milp:
             if site.block is not None:  # columns[s][0] is keep
                 row([(columns[s][0], 1.0), (self.nx + site.block, -1.0)], 0.0, np.inf)
         for b, r in enumerate(remat):
-            row([(m, 1.0), (self.nx + b, -r / self.unit)], 0.0, np.inf)
+            terms = [(m, 1.0), (self.nx + b, -r / self.unit)]
+            if b in offload_column:
+                row([(self.nx + b, 1.0), (offload_column[b], -1.0)], 0.0, np.inf)
+                terms.append((offload_column[b], -extra[b] / self.unit))
+            row(terms, 0.0, np.inf)
         if not lower:
             return None
         r, c, v = np.array(entries).T
@@ -309,7 +358,10 @@ class _Milp:
             if x[j] > best[s]:
                 best[s], choice[s] = x[j], self.option_of[j]
         recomputed = x[self.nx:self.nx + self.nb] > 0.5
-        return evaluate(self.problem, choice, recomputed)
+        offloaded = [False] * self.nb
+        for i, b in enumerate(self.offloadable):
+            offloaded[b] = x[self.nx + self.nb + i] > 0.5
+        return evaluate(self.problem, choice, recomputed, offloaded)
 
 
 def _undominated(options):

@@ -28,11 +28,14 @@ from actdesign.errors import ActdesignError
 
 def small_problem(rng, grid):
     """0-2 blocks of 1-3 sites, 0-2 sites outside, 2-4 options a site; half the blocks with a
-    measured held_bytes (below or above the transient). On a grid, errors and times are
-    multiples of powers of two: their sums are exact, so ties are real ties."""
+    measured held_bytes (below or above the transient), half offering offloading. On a grid,
+    errors and times are multiples of powers of two: their sums are exact, so ties are real
+    ties."""
     blocks = [Block(f"b{b}", int(rng.integers(1, 50)), int(rng.integers(0, 100)),
                     rng.integers(1, 8) / 64 if grid else rng.uniform(0.01, 0.1),
-                    int(rng.integers(0, 150)) if rng.random() < 0.5 else None)
+                    int(rng.integers(0, 150)) if rng.random() < 0.5 else None,
+                    (rng.integers(0, 4) / 64 if grid else rng.uniform(0, 0.05))
+                    if rng.random() < 0.5 else None)
               for b in range(int(rng.integers(0, 3)))]
     sites = []
     for b in [*range(len(blocks)), None]:
@@ -47,11 +50,15 @@ def small_problem(rng, grid):
 
 
 def every_plan(problem):
-    for recomputed in itertools.product([False, True], repeat=len(problem.blocks)):
+    """Each block kept, recomputed or (where offered) recomputed and offloaded."""
+    states = [[(False, False), (True, False)] + [(True, True)] * (b.offload_time is not None)
+              for b in problem.blocks]
+    for state in itertools.product(*states):
+        recomputed, offloaded = [r for r, _ in state], [o for _, o in state]
         ranges = [range(1) if s.block is not None and recomputed[s.block] else
                   range(len(s.options)) for s in problem.sites]
         for choice in itertools.product(*ranges):
-            yield evaluate(problem, choice, recomputed)
+            yield evaluate(problem, choice, recomputed, offloaded)
 
 
 def within(plan, budget, max_time):
@@ -89,7 +96,7 @@ def test_small_problems_against_brute_force(seed):
             assert smallest_named(str(caught.value)) == least
             continue
         plan = solve(problem, budget, max_time)
-        assert plan == evaluate(problem, plan.choice, plan.recomputed)
+        assert plan == evaluate(problem, plan.choice, plan.recomputed, plan.offloaded)
         assert within(plan, budget, max_time)
         best = min(feasible, key=lambda p: (p.error, p.time, p.peak))
         if grid:  # exact sums: the lexicographic optimum itself
@@ -292,3 +299,32 @@ def test_a_measured_held_bytes_is_the_peak_of_its_blocks_backward():
         assert plan.peak == plan.saved + transient + max(0, remat)
         assert plan.peak == max(plan.saved + transient,
                                 plan.saved + (transient + 100 if held is None else held))
+
+
+def test_an_offloaded_block_by_hand():
+    """Offloaded: its input leaves the saved bytes, its backward brings it back with the next
+    block's, and the copies cost their time."""
+    sites = [Site("s0", [Option("keep", 40, 0.0, 0.0)], 0),
+             Site("s1", [Option("keep", 40, 0.0, 0.0)], 1)]
+    blocks = [Block("b0", 10, 60, 0.125, None, 0.0625), Block("b1", 30, 60, 0.125, None, 0.25)]
+    problem = Problem(sites, blocks, 7, 100, 1.0)
+    plan = evaluate(problem, (0, 0), (True, True), (True, False))
+    assert plan.saved == 7 + 0 + 30
+    assert plan.peak == plan.saved + 100 + max(60 + 40 + 10 + 30, 60 + 40)
+    assert plan.time == 1.0 + 0.125 + 0.0625 + 0.125
+    both = evaluate(problem, (0, 0), (True, True), (True, True))
+    assert both.saved == 7 and both.peak == 7 + 100 + 100 + 30 + 30
+    with pytest.raises(ActdesignError, match="'b0' is offloaded but not recomputed"):
+        evaluate(problem, (0, 0), (False, True), (True, False))
+    with pytest.raises(ActdesignError, match="'b0' does not offer offloading"):
+        evaluate(Problem(sites, [Block("b0", 10, 60, 0.125), blocks[1]], 7, 100, 1.0),
+                 (0, 0), (True, True), (True, False))
+    # offloading pays where the inputs it moves outweigh the two it brings back at once:
+    # three blocks of input 50, all offloaded: 7 saved + 100 + (100 + 50 + 50) = 307, against
+    # 157 + 100 + 100 recomputed (one or two offloaded: 407, 357)
+    three = Problem([Site(f"s{b}", [Option("keep", 40, 0.0, 0.0)], b) for b in range(3)],
+                    [Block(f"b{b}", 50, 60, 0.125, None, 0.0625) for b in range(3)], 7, 100,
+                    1.0)
+    assert smallest_peak(three, 2.0) == evaluate(three, (0,) * 3, (True,) * 3, (True,) * 3)
+    assert smallest_peak(three, 2.0).peak == 307
+    assert smallest_peak(three, 1.5) == evaluate(three, (0,) * 3, (True,) * 3)  # no time

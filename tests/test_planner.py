@@ -294,3 +294,26 @@ def test_plan_reads_its_data_option_before_building(tmp_path, capsys, monkeypatc
                            "16", "--budget", "0.5", "--data", "no_such_module:batches",
                            "--out", str(tmp_path / "plan.json"))
     assert code == 2 and "cannot import 'no_such_module'" in err
+
+
+def test_offloading_is_priced_by_the_host_link_and_planned_as_a_rule(planned):
+    """Each block offers its input to the host at both copies' time over the card's host
+    link; a plan offloading blocks is a policy of `offload` checkpoint rules that prices back
+    to the same plan, and its real step keeps less than the one recomputing the same blocks."""
+    name, model, example, costs = planned
+    problem, n = costs.problem, len(costs.blocks)
+    assert n
+    for block in problem.blocks:
+        assert block.offload_time == 2 * block.input_bytes / cards.HOST_LINK["h200"]
+    choice = (0,) * len(problem.sites)
+    recompute = solver.evaluate(problem, choice, (True,) * n)
+    offload = solver.evaluate(problem, choice, (True,) * n, (True,) * n)
+    assert offload.saved == recompute.saved - sum(b.input_bytes for b in problem.blocks)
+    policy = planner.plan_policy(costs, offload)
+    rules = [r for r in policy.to_dict()["rules"] if r["target"] == "block"]
+    assert rules == [{"target": "block", "name": costs.blocks, "apply": "checkpoint",
+                      "offload": True}]
+    assert planner.explain.preset_solution(costs, policy) == offload
+    saved_offload, _ = real_step(model, example, policy)
+    saved_recompute, _ = real_step(model, example, planner.plan_policy(costs, recompute))
+    assert saved_offload < saved_recompute

@@ -560,10 +560,15 @@ def _replacement(name, m, rule, codes, sharing) -> tuple[nn.Module, str]:
     if rule.apply == "msglu":
         reads_codes = m.gate_proj in sharing and m.up_proj in sharing
         new = MSGLU.from_module(m, codes=_up_codes(codes.get(m.down_proj)),
-                                input_codes=codes[m.gate_proj] if reads_codes else None)
+                                input_codes=codes[m.gate_proj] if reads_codes else None,
+                                tile=opts["tile"])
         kept = "up(x)" if new.bits is None else f"{new.bits}-bit codes of up(x)"
         inputs = f"; gate and up keep the MS norm's {new.input_codes[0]}-bit codes of x" \
             if reads_codes else ""
+        if new.tile is not None:
+            tiles = "tiles of as many tokens as its width" if new.tile == "auto" \
+                else f"tiles of {new.tile} tokens"
+            return new, f"MSGLU ({new.act}; in sequence {tiles}, keeping its input only)"
         return new, f"MSGLU ({new.act}; keeps gate(x) and {kept} only{inputs})"
     raise AssertionError(rule.apply)
 

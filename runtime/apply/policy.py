@@ -20,6 +20,10 @@ exact. The preset `offload` recomputes every block, its input on the host:
 
     {"target": "block", "name": "model.layers.*", "apply": "checkpoint"}
 
+`msglu` with `"tile"` ("auto", or a number of tokens) runs the gated MLP in sequence tiles,
+keeping only its input: the long-sequence option (the preset `tiled`; joined by `+`, its rule
+comes first, so `llm+tiled` tiles the MS-GLU that `llm` makes).
+
 A policy is given as a preset name (`fewbit3`), presets joined by `+` (`fewbit3+msnorm`), a
 dict, a Policy, or a JSON file. Files are data only: a spec named in a rule is a path to a
 spec file (relative to the policy file), a built-in table name (`gelu3`: the 3-bit stepwise
@@ -49,7 +53,7 @@ METHODS = {
     "backrazor": (("linear", "conv2d"), {"ratio": 0.9, "int8": False}),
     "pooled": (("conv2d",), {"pool": 2}),
     "lean": (("linear",), {}),
-    "msglu": (("glu",), {}),
+    "msglu": (("glu",), {"tile": None}),
     "rope": (("attention",), {}),
     "fused_ce": (("head",), {"chunk_size": None}),
     "checkpoint": (("block",), {"offload": False}),
@@ -69,7 +73,12 @@ PRESETS = {
             {"target": "linear", "apply": "lean"}],
     # every block recomputed, its input kept in host memory meanwhile
     "offload": [{"target": "block", "apply": "checkpoint", "offload": True}],
+    # gated MLPs in sequence tiles, the tile size from the shape
+    "tiled": [{"target": "glu", "apply": "msglu", "tile": "auto"}],
 }
+# In presets joined by '+', these rules come first: they refine what another preset applies
+# to the same modules (so llm+tiled tiles the MS-GLU llm makes).
+_LEADS = ("tiled",)
 # In presets joined by '+', these rules come last: the default for modules no other preset
 # claims (so llm+actnn2 quantizes the Linear layers llm would only keep lean).
 _FALLBACKS = ("lean",)
@@ -120,7 +129,9 @@ def load(source) -> Policy:
         text = str(source)
         if not text.endswith(".json") and all(p in PRESETS for p in text.split("+")):
             rules = [r for p in text.split("+") for r in PRESETS[p]]
-            rules.sort(key=lambda r: r["apply"] in _FALLBACKS)  # stable: order kept otherwise
+            leads = [r for p in text.split("+") if p in _LEADS for r in PRESETS[p]]
+            rules = [r for r in rules if r not in leads]
+            rules = leads + sorted(rules, key=lambda r: r["apply"] in _FALLBACKS)  # stable
             return validate({"format": FORMAT, "rules": rules}, text, label=text)
         if not text.endswith(".json"):
             raise ActdesignError(_unknown(text))
@@ -214,6 +225,8 @@ def _option(method, key, value, where, base):
         return integer(1, 64)
     if key == "chunk_size":
         return None if value is None else integer(1, 1 << 30)
+    if key == "tile":
+        return value if value is None or value == "auto" else integer(1, 1 << 30)
     if key in ("int8", "offload"):
         if not isinstance(value, bool):
             raise ActdesignError(f"{where} must be true or false, got {value!r}")

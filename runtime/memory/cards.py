@@ -10,7 +10,12 @@ Measured, a card has:
 - `option_s_per_byte`: for each lossy option the planner offers, the time it adds to a step
   per byte of the input it compresses (its forward and backward kernels against the lossless
   path's), measured on large bf16 tensors. An option it lacks is priced by the roofline's
-  bytes.
+  bytes;
+- `host_bytes_per_s`: a pinned copy between host and card, the slower way (an offloaded block
+  input goes out in the forward and back in the backward); else the sheet's PCIe link rate,
+  one way.
+An offloaded block input is priced at both its copies, whole: an upper bound, since the copies
+run on a side stream beside the forward and the backward.
 The roofline reads the sheet's peaks: a step costs its FLOPs at the peak rate plus reading
 and writing its saved bytes once at the peak bandwidth. It predicts too little (the peak is
 not reached); the measured rates are what the planner's time limit should be read against.
@@ -36,6 +41,8 @@ from actdesign.errors import ActdesignError
 VENDOR = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12), "a100": (312e12, 2.0e12),
           "l40s": (362e12, 0.864e12), "rtx4090": (165e12, 1.008e12)}
 NAMES = tuple(VENDOR)
+# name -> its host link, bytes/s one way: PCIe 5.0 x16 (H100, H200) or 4.0 x16, from the sheets
+HOST_LINK = {"h100": 64e9, "h200": 64e9, "a100": 32e9, "l40s": 32e9, "rtx4090": 32e9}
 # Unmeasured margins: a CUDA context with cuBLAS and attention workspaces takes several
 # hundred MiB; the caching allocator's cached-but-free blocks, a tenth of the activations.
 ASSUMED_CONTEXT = 2**30
@@ -52,6 +59,7 @@ class Card:
     measured: str | None = None  # the card, model and date it was measured on; None: roofline
     context_bytes: int | None = None  # measured; None: ASSUMED_CONTEXT
     fragmentation: dict = field(default_factory=dict)  # family -> measured share of the peak
+    host_bytes_per_s: float = 0.0  # 0: the sheet's link rate (HOST_LINK)
 
     def margins(self, family: str) -> tuple[int, float, bool]:
         """(context bytes, fragmentation as a share of the activation peak, whether both were
@@ -81,6 +89,11 @@ class Card:
         if per_byte is not None:
             return per_byte * input_bytes
         return 2 * (input_bytes + kept_bytes) / self.bytes_per_s
+
+    def offload_time(self, input_bytes: int) -> float:
+        """A block input's two copies, to the host in the forward and back in the backward."""
+        rate = self.host_bytes_per_s or HOST_LINK[self.name]
+        return 2 * input_bytes / rate
 
     def describe(self) -> str:
         if self.measured:
@@ -117,4 +130,5 @@ def _measured(name: str) -> Card | None:
                 f"{data['device']}, {data['model']} at {data['shape']} ({data['date']})"
                 if timed else None,
                 None if context is None else int(context),
-                {k: float(v) for k, v in data.get("fragmentation", {}).items()})
+                {k: float(v) for k, v in data.get("fragmentation", {}).items()},
+                float(data.get("host_bytes_per_s", 0.0)))

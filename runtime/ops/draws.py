@@ -3,6 +3,8 @@ masks, and the generators put back as they were after a probe."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -24,3 +26,23 @@ def forked_rng(model):
     the model's parameters: they are as they were when it closes."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     return torch.random.fork_rng(devices=devices)
+
+
+def rng_state(device):
+    """The state of `device`'s default generator."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+@contextlib.contextmanager
+def replayed_rng(device, state):
+    """The default generator of `device` at `state` while open; the generators as they were
+    after (as torch.utils.checkpoint replays dropout)."""
+    cpu = device.type == "cpu"
+    with torch.random.fork_rng(devices=[] if cpu else [device], device_type=device.type):
+        if cpu:
+            torch.set_rng_state(state)
+        else:
+            torch.get_device_module(device.type).set_rng_state(state, device)
+        yield

@@ -41,6 +41,7 @@ from .hooks import hooked
 from .quantized import QLinear, _QuantizedInput
 from .sharing import offer
 from .targets import activation_name, is_gated_mlp, is_lora_linear
+from .tiles import tile_rows, tiled
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -53,11 +54,17 @@ def glu_ops():
 class MSGLU(_QuantizedInput, nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)), keeping only gate(x) and up(x), or gate(x)
     and codes of up(x) (`codes`: bits and group size). With `input_codes`, gate_proj and
-    up_proj keep codes of x (an MS norm's, where it made them)."""
+    up_proj keep codes of x (an MS norm's, where it made them). With `tile` ("auto" or a
+    number of tokens), it runs in sequence tiles (`tiles`): it keeps x alone, and one tile's
+    intermediates are alive at a time."""
+
+    tile = None  # tokens per tile, "auto" or None (untiled)
 
     def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
-                 act: str, *, codes=None, input_codes=None):
+                 act: str, *, codes=None, input_codes=None, tile=None):
         nn.Module.__init__(self)
+        if not (tile is None or tile == "auto" or (type(tile) is int and tile > 0)):
+            raise ActdesignError(f"tile must be None, 'auto' or a positive int, not {tile!r}")
         if act not in ACTIVATIONS:
             raise ActdesignError(f"MS-GLU supports {' and '.join(ACTIVATIONS)}, not {act}")
         bits, group_size = codes or (None, 256)
@@ -71,7 +78,7 @@ class MSGLU(_QuantizedInput, nn.Module):
                 m if is_lora_linear(m) else QLinear.from_module(m, bits=b, group_size=g)
                 for m in (gate_proj, up_proj))
         self.down_proj = _lean(down_proj)
-        self.act = act
+        self.act, self.tile = act, tile
 
     @classmethod
     def from_module(cls, mlp: nn.Module, **options) -> MSGLU:
@@ -98,6 +105,11 @@ class MSGLU(_QuantizedInput, nn.Module):
         return new
 
     def forward(self, x):
+        rows = tile_rows(self.tile, x.numel() // max(1, x.shape[-1]), x.shape[-1])
+        return self.untiled(x) if rows is None else tiled(self.untiled, x, self, rows)
+
+    def untiled(self, x):
+        """The gated MLP on all of x at once."""
         down = self.down_proj
         g, u = self.gate_proj(x), self.up_proj(x)
         codes = None if self.bits is None else self
@@ -111,7 +123,8 @@ class MSGLU(_QuantizedInput, nn.Module):
     def extra_repr(self):
         codes = "" if self.bits is None else f", up(x) as {self.bits}-bit codes, group_size=" \
                                               f"{self.group_size}"
-        return f"act={self.act}{codes}"
+        tile = "" if self.tile is None else f", tile={self.tile}"
+        return f"act={self.act}{codes}{tile}"
 
 
 def _lean(layer):

@@ -27,13 +27,12 @@ hooks on A or B, no gradient wanted), PEFT's own forward runs.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .compressed import LeanLinear, autocast_off, compressed_call
+from .draws import replayed_rng, rng_state
 from .edits import Edit
 from .hooks import hooked
 from .sharing import keep, restore
@@ -108,25 +107,6 @@ def plan_lora(layer: nn.Module, keeper=LeanLinear) -> list[Edit]:
     return edits + [Edit(layer, "forward", LeanLoRA(layer, keeper))]
 
 
-def _rng_state(device):
-    if device.type == "cpu":
-        return torch.get_rng_state()
-    return torch.get_device_module(device.type).get_rng_state(device)
-
-
-@contextlib.contextmanager
-def _replayed_rng(device, state):
-    """The default generator of `device` at `state` while open; the generators as they were
-    after (as torch.utils.checkpoint replays dropout)."""
-    cpu = device.type == "cpu"
-    with torch.random.fork_rng(devices=[] if cpu else [device], device_type=device.type):
-        if cpu:
-            torch.set_rng_state(state)
-        else:
-            torch.get_device_module(device.type).set_rng_state(state, device)
-        yield
-
-
 def _dropout(x, p):
     """(F.dropout(x, p, True), what its backward reads), by the op torch itself runs for it:
     the fused kernel on the devices it takes (its mask), else the composite (its noise)."""
@@ -155,7 +135,7 @@ class _AdapterInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cast, p, keeper):
         device = x.device
-        ctx.rng = _rng_state(device) if p else None
+        ctx.rng = rng_state(device) if p else None
         xc = x.to(cast) if cast is not None and x.dtype != cast else x
         xd = _dropout(xc, p)[0] if p else xc
         h = F.linear(xd, weight)  # under the caller's autocast, as PEFT runs
@@ -200,5 +180,5 @@ def _replay(ctx, saved, rebuild_x):
     xc = x.to(ctx.cast)
     if not ctx.p:
         return xc, None
-    with _replayed_rng(ctx.device, ctx.rng):
+    with replayed_rng(ctx.device, ctx.rng):
         return _dropout(xc, ctx.p)

@@ -30,7 +30,10 @@ Each site's options are priced three ways:
   measured time per byte of input), else the roofline of its peak FLOP rate and bandwidth.
   A recomputed block costs its forward's FLOPs (a third of its step's), a lossy option the
   time its kernels add (roofline: the bytes they move, reading the input and writing its
-  codes, then reading the codes and writing the input back).
+  codes, then reading the codes and writing the input back). A recomputed block may also
+  keep its input in host memory (`"offload": true`): off the card between its forward and
+  its backward, back with the next block's while its backward runs, at its two copies' time
+  over the card's host link (measured, else the sheet's PCIe rate), counted whole.
 The choice is designer.plan's exact solver.
 """
 

@@ -91,11 +91,13 @@ def measure_costs(model, batches, example, precision, card, kernels, calibration
     # a recomputed block runs its forward again: a third of its step's FLOPs, and it writes
     # what it saves once more; while its backward runs, it holds what the step with every
     # block recomputed held then beyond its saved bytes (a block whose backward is not one
-    # window takes the solver's bound)
+    # window takes the solver's bound); its input may wait on the host, at the copies' time
     problem_blocks = [solver.Block(b, recomputed.block_bytes(b), inner[b],
                                    card.recompute_time(lossless.flops_of(b) / 3,
                                                        lossless.block_bytes(b)),
-                                   recomputed.held_bytes(b)) for b in blocks]
+                                   recomputed.held_bytes(b),
+                                   card.offload_time(recomputed.block_bytes(b)))
+                      for b in blocks]
     base_time = card.step_time(lossless.flops, lossless.saved.total)
     problem = solver.Problem(tuple(problem_sites), tuple(problem_blocks), outside,
                              lossless.peak - lossless.saved.total, base_time)

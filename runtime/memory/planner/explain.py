@@ -111,6 +111,7 @@ def preset_solution(costs, policy) -> solver.Solution:
 
     chosen = match(costs.reference.model, policy)[0]
     checkpointed = {name for name, (_, rule) in chosen.items() if rule.apply == "checkpoint"}
+    offloaded = {name for name in checkpointed if chosen[name][1].option("offload")}
     choice = []
     for site, priced in zip(costs.sites, costs.problem.sites, strict=True):
         rule = chosen.get(site.layers[0], (None, None))[1]
@@ -119,7 +120,8 @@ def preset_solution(costs, policy) -> solver.Solution:
         blocked = site.block in checkpointed
         choice.append(names.index(label) if label in names and not blocked else 0)
     recomputed = [b in checkpointed for b in costs.blocks]
-    return solver.evaluate(costs.problem, choice, recomputed)
+    return solver.evaluate(costs.problem, choice, recomputed,
+                           [b in offloaded for b in costs.blocks])
 
 
 def _label(rule) -> str | None:
@@ -139,7 +141,7 @@ def lossless_alternative(plan, shapes) -> Lossless | None:
     p = plan.costs.problem
     keeps = replace(p, sites=tuple(replace(s, options=s.options[:1]) for s in p.sites))
     every = p.base_time + sum(s.options[0].time for s in p.sites) + sum(
-        b.time for b in p.blocks)  # every block recomputed: the slowest lossless plan
+        b.time + (b.offload_time or 0) for b in p.blocks)  # every block offloaded: the slowest
     try:
         found = solver.solve(keeps, plan.budget, every)
     except Exception:  # noqa: BLE001  (an ActdesignError: no lossless plan fits the model)

@@ -33,9 +33,12 @@ class MemoryPlan:
             if c:
                 o = s.options[c]
                 out.append((site.name, o.name, s.options[0].bytes - o.bytes, o.error, o.time))
-        for name, b, on in zip(self.costs.blocks, p.blocks, self.solution.recomputed,
-                               strict=True):
-            if on:
+        offloaded = self.solution.offloaded or (False,) * len(p.blocks)
+        for name, b, on, host in zip(self.costs.blocks, p.blocks, self.solution.recomputed,
+                                     offloaded, strict=True):
+            if host:
+                out.append((name, "offload", b.inner_bytes, 0.0, b.time + b.offload_time))
+            elif on:
                 out.append((name, "checkpoint", b.inner_bytes - b.input_bytes, 0.0, b.time))
         return out
 

@@ -141,19 +141,26 @@ def policy_of(rules: list[dict], label="plan") -> policy_mod.Policy:
                                label=label)
 
 
-def checkpoint_rules(blocks) -> list[dict]:
-    return [{"target": "block", "name": list(blocks), "apply": "checkpoint"}] if blocks else []
+def checkpoint_rules(blocks, offloaded=()) -> list[dict]:
+    """Rules recomputing `blocks`, those also in `offloaded` with their inputs on the host."""
+    kept = [b for b in blocks if b not in offloaded]
+    return [{"target": "block", "name": names, "apply": "checkpoint", "offload": True}
+            for names in [[b for b in blocks if b in offloaded]] if names] + [
+            {"target": "block", "name": kept, "apply": "checkpoint"}] * bool(kept)
 
 
 def plan_policy(costs, solution) -> policy_mod.Policy:
-    """The policy of a solution of `costs.problem`: its sites' choices, its blocks recomputed."""
+    """The policy of a solution of `costs.problem`: its sites' choices, its blocks recomputed
+    (offloaded where it says)."""
     rules = []
     for i, (site, c) in enumerate(zip(costs.sites, solution.choice, strict=True)):
         if c:
             method, opts = labelled(site.kind)[costs.problem.sites[i].options[c].name]
             rules += site_rules(site, method, opts)
-    rules += checkpoint_rules([b for b, on in zip(costs.blocks, solution.recomputed,
-                                                  strict=True) if on])
+    offloaded = solution.offloaded or (False,) * len(costs.blocks)
+    rules += checkpoint_rules(
+        [b for b, on in zip(costs.blocks, solution.recomputed, strict=True) if on],
+        {b for b, on in zip(costs.blocks, offloaded, strict=True) if on})
     return policy_of(rules)
 
 

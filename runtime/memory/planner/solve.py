@@ -68,7 +68,7 @@ class _Verify:
         self.memo = {}
 
     def __call__(self, solution) -> MemoryPlan:
-        key = (solution.choice, solution.recomputed)
+        key = (solution.choice, solution.recomputed, solution.offloaded)
         if key not in self.memo:
             policy = plan_policy(self.costs, solution)
             step = self.shapes.run(policy)
