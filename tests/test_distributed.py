@@ -35,7 +35,7 @@ ROUNDOFF = 1e-12
 DDP_CASES = ("fewbit3", "regelu2", "msnorm", "backrazor90", "actnn2")
 FSDP_CASE = "fewbit3+msnorm+backrazor90"  # every deterministic kind of module
 LM_CASES = [("fsdp-head", "llm"), ("wrapped", "llm"), ("fsdp-lora", "llm"), ("fsdp-moe", "llm"),
-            ("fsdp-cpu-offload", "llm+offload")]
+            ("fsdp-cpu-offload", "llm+offload"), ("fsdp-lora-tiled", "llm")]
 # What each policy must replace, so that a no-op compress cannot pass.
 REPLACED = {"fewbit3": {"act"}, "regelu2": {"act"}, "msnorm": {"norm", "fc1"},
             "backrazor90": {"fc1", "fc2"}, "actnn2": {"fc1", "fc2"},
@@ -74,11 +74,12 @@ def make_model(policy):
     return model, report
 
 
-def make_lm(lora=False, policy="llm"):
+def make_lm(lora=False, policy="llm", tile=None):
     """(llama-tiny compressed with `llm`, float64, dropout off, its token batch): the fused
     loss reads the head's weight through the head's own call. With `lora`, PEFT LoRA on all
     seven projections first (B drawn, so that A's gradients are not zero; no dropout, whose
-    masks depend on how the batch is split), the lean LoRA path on each."""
+    masks depend on how the batch is split), the lean LoRA path on each. With `tile`, the
+    gated MLPs run in tiles of that many tokens."""
     from actdesign.runtime.apply import models
 
     model, _ = models.build("llama-tiny")
@@ -94,6 +95,11 @@ def make_lm(lora=False, policy="llm"):
                 if "lora_B" in name:
                     p.normal_(0, 0.1)
     ids = torch.randint(1, 512, (BATCH, 6), generator=torch.Generator().manual_seed(3))
+    if tile is not None:
+        from actdesign.runtime.apply import policy as policy_mod
+
+        policy = {"rules": [{"target": "glu", "apply": "msglu", "tile": tile},
+                            *policy_mod.load(policy).to_dict()["rules"]]}
     report = compress(model, policy, example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
     return model, report, ids
 
@@ -143,7 +149,8 @@ def run_lm_case(rank, mode, policy):
     if mode == "fsdp-moe":
         model, ids = make_moe()
     else:
-        model, _, ids = make_lm(lora=mode == "fsdp-lora", policy=policy)
+        model, _, ids = make_lm(lora=mode.startswith("fsdp-lora"), policy=policy,
+                                tile=5 if mode == "fsdp-lora-tiled" else None)
     if mode == "wrapped":
         refused = []
         for wrap in (DistributedDataParallel, fully_shard):
@@ -156,7 +163,7 @@ def run_lm_case(rank, mode, policy):
                 refused.append(str(exc))
         return {"refused": refused}
     mesh = init_device_mesh("cpu", (WORLD,))
-    lm = model.get_base_model() if mode == "fsdp-lora" else model
+    lm = model.get_base_model() if mode.startswith("fsdp-lora") else model
     # FSDP2's own engine keeps the weights, gradients and optimizer state on the host
     # (pinning needs CUDA: on the CPU the host memory is plain)
     shard = {"mesh": mesh, **({"offload_policy": CPUOffloadPolicy(pin_memory=False)}
@@ -172,7 +179,9 @@ def run_lm_case(rank, mode, policy):
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()
              if p.grad is not None}
     dist.all_reduce(loss)
-    return {"loss": loss / WORLD, "grads": grads, "warnings": [str(w.message) for w in caught]}
+    tiles = {m.tile for m in model.modules() if type(m).__name__ == "MSGLU"}
+    return {"loss": loss / WORLD, "grads": grads, "warnings": [str(w.message) for w in caught],
+            "tiles": sorted(tiles, key=str)}
 
 
 def run_case(rank, mode, policy):
@@ -342,6 +351,16 @@ def test_fsdp2_on_a_compressed_peft_lora_model_matches_one_process(reference, ra
     pytest.importorskip("peft")  # PEFT first, then compress, then fully_shard
     assert len(reference["llm+lora"][1]) == 28  # A and B of 14 layers; the rest is frozen
     assert_matches(results_of(ranks, ("fsdp-lora", "llm")), *reference["llm+lora"])
+
+
+def test_fsdp2_on_peft_lora_with_tiled_mlps_matches_one_process(reference, ranks):
+    """MS-GLU in tiles of 5 tokens (24 per rank: 5 tiles) under FSDP2 with PEFT LoRA: the
+    gradients of the tiles' parameters reach FSDP2 once, summed; the one-process untiled step
+    to round-off (the tiles sum the tokens in another order)."""
+    pytest.importorskip("peft")
+    runs = results_of(ranks, ("fsdp-lora-tiled", "llm"))
+    assert all(run["tiles"] == [5] for run in runs)
+    assert_matches(runs, *reference["llm+lora"])
 
 
 def test_compress_refuses_a_model_wrapped_already(ranks):
