@@ -72,14 +72,44 @@ def test_the_host_holds_each_block_input_once_and_shared_inputs_once():
 
 def test_a_shared_tensor_changed_in_place_is_copied_again():
     t = torch.randn(4, 8)
-    first = offload._pack(t)
-    assert offload._pack(t) is first
-    t.add_(1)
-    second = offload._pack(t)
-    assert second is not first and torch.equal(offload._unpack(second), t)
+    with offload.offloaded():
+        first = offload._pack(t)
+        assert offload._pack(t)[1] is first[1]
+        t.add_(1)
+        second = offload._pack(t)
+        w = torch.nn.Parameter(torch.randn(3))
+        assert offload._pack(w) is w  # weights stay where they are
+    assert second[1] is not first[1] and torch.equal(offload._unpack(second), t)
     assert not torch.equal(offload._unpack(first), t)
-    w = torch.nn.Parameter(torch.randn(3))
-    assert offload._pack(w) is w  # weights stay where they are
+
+
+def test_each_input_comes_back_once_and_the_block_before_it_ahead():
+    """Two blocks' backward: each hidden state is copied back once, the first block's while
+    the second's backward runs; cos and sin, which every block takes, once for both."""
+    model, inputs = llama()
+    compress(model, "llm+offload")
+    events = []
+    real_back, real_fetch = offload._Held._copy_back, offload._Held.fetch
+
+    def copy_back(held):
+        events.append(("back", tuple(held.shape)))
+        return real_back(held)
+
+    def fetch(held):
+        events.append(("fetch", tuple(held.shape)))
+        return real_fetch(held)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(offload._Held, "_copy_back", copy_back)
+        patch.setattr(offload._Held, "fetch", fetch)
+        models.loss_of(models.call(model, inputs)).backward()
+    hidden = tuple(inputs["input_ids"].shape) + (model.config.hidden_size,)
+    backs = [shape for kind, shape in events if kind == "back"]
+    assert backs.count(hidden) == model.config.num_hidden_layers == 2
+    assert len(backs) == 2 + 2  # and cos and sin, once
+    second_back = [i for i, e in enumerate(events) if e == ("back", hidden)][1]
+    second_fetch = [i for i, e in enumerate(events) if e == ("fetch", hidden)][1]
+    assert second_back < second_fetch  # the first block's input, fetched ahead
 
 
 def test_the_estimate_counts_the_host_bytes_apart():

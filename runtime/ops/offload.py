@@ -5,14 +5,15 @@ backward, so the device holds one block's worth at a time.
 Applied as a saved-tensors hook around the checkpoint: the checkpoint saves its inputs
 through the hook, while everything saved inside the block goes to the checkpoint's own hook
 (the innermost hook wins), which keeps nothing. On CUDA the copies run on a side stream into
-pinned memory, the forward going on meanwhile; in the backward each unpack also starts the
-copy back of the input saved before it (the block whose backward runs next), so it is on
-the device by the time it is read. On the CPU the copy is a plain one, host to host, read
+pinned memory, the forward going on meanwhile; in the backward a block's unpack also starts
+the copy back of the inputs of the block before it (whose backward runs next), so they are
+on the device by the time they are read. On the CPU the copy is a plain one, host to host, read
 back as it is. A copy is exact, so the step is the checkpointed step's, bit for bit.
 
 A tensor several blocks take (transformers' rotary cos and sin, a mask) is copied once per
 forward: later blocks reuse its host copy while the same tensor object, unchanged (its
-version counter), is alive. Parameters and buffers stay where they are.
+version counter), is alive, and in the backward its device copy, once fetched, serves every
+block that takes it. Parameters and buffers stay where they are.
 
 Shape-only steps (fake tensors) copy nothing: the host copy is counted (`host_bytes`) and
 the device tensor is made again, empty, when the backward needs it.
@@ -32,7 +33,8 @@ _STATE = threading.local()  # the forward's host copies and counters
 
 
 class _Held:
-    """A block input on the host, and its way back."""
+    """A block input on the host, and its way back. One several blocks take (`shared`) keeps
+    its device copy once fetched, for the blocks whose backward reads it next."""
 
     def __init__(self, tensor: torch.Tensor):
         self.device, self.dtype = tensor.device, tensor.dtype
@@ -42,18 +44,21 @@ class _Held:
         # one would once copied
         self.host = None if is_fake(tensor) else _to_host(tensor)
         self.back = None  # the device copy, once prefetched
-        self.previous = None  # weakly: the input saved before this one, whose backward is next
+        self.shared = False
+        self.fetched = False  # by its block's backward: a prefetch leaves it alone then
 
     def fetch(self) -> torch.Tensor:
         if self.back is None:
             self.back = self._copy_back()
-        out, self.back = self.back, None
+        out, self.fetched = self.back, True
+        if not self.shared:
+            self.back = None
         if out.device.type == "cuda":
             torch.cuda.current_stream().wait_stream(_side_stream(out.device))
         return out
 
     def prefetch(self) -> None:
-        if self.back is None:
+        if self.back is None and not self.fetched:
             self.back = self._copy_back()
 
     def _copy_back(self) -> torch.Tensor:
@@ -68,6 +73,21 @@ class _Held:
             out = self.host.to(self.device, non_blocking=True)
         out.record_stream(torch.cuda.current_stream(self.device))
         return out
+
+
+class _Block:
+    """What one block's checkpoint put on the host, and the block before it (weakly): its
+    backward runs next, so its inputs are fetched while this one's runs."""
+
+    def __init__(self, previous):
+        self.held: list[_Held] = []
+        self.previous = None if previous is None else weakref.ref(previous)
+
+    def prefetch_previous(self) -> None:
+        previous = None if self.previous is None else self.previous()
+        if previous is not None:
+            for held in previous.held:
+                held.prefetch()
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -93,31 +113,39 @@ def _pack(tensor: torch.Tensor):
     if isinstance(tensor, torch.nn.Parameter) or not tensor.is_floating_point() \
             or tensor.numel() == 0:
         return tensor  # weights stay; integer positions and masks are small
+    block = _STATE.block
     copies = _STATE.__dict__.setdefault("copies", {})
     found = copies.get(id(tensor))
     if found is not None and found[0]() is tensor and found[1] == tensor._version:
-        return found[2]
+        found[2].shared = True
+        return block, found[2]
     held = _Held(tensor)
     _count(held.nbytes)
     key = id(tensor)
     copies[key] = (weakref.ref(tensor, lambda _: copies.pop(key, None)), tensor._version, held)
-    held.previous = _STATE.__dict__.get("last")
-    _STATE.last = weakref.ref(held)
-    return held
+    block.held.append(held)
+    return block, held
 
 
 def _unpack(packed):
-    if not isinstance(packed, _Held):
+    if not isinstance(packed, tuple):
         return packed
-    previous = packed.previous() if packed.previous is not None else None
-    if previous is not None:
-        previous.prefetch()  # the block whose backward runs next
-    return packed.fetch()
+    block, held = packed
+    block.prefetch_previous()  # the block whose backward runs next
+    return held.fetch()
 
 
+@contextlib.contextmanager
 def offloaded():
-    """The saved-tensors hooks that keep what is saved inside the block on the host."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+    """The saved-tensors hooks that keep what one block's checkpoint saves on the host."""
+    block = _Block(_STATE.__dict__.get("last"))
+    _STATE.last, outer = block, _STATE.__dict__.get("block")
+    _STATE.block = block
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _STATE.block = outer
 
 
 def _count(nbytes: int) -> None:
