@@ -26,7 +26,8 @@ tile's gradient; under bf16 autocast each tile's gradient is rounded to bfloat16
 sum, where untiled rounds the whole sum once).
 
 The price is the module's forward once more in the backward. The tile size, where the policy
-does not give one, follows `tile_rows`.
+does not give one, follows `tile_rows`. Under torch.compile the module runs untiled: the
+compiler chooses what to keep and what to recompute.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def tiled(forward, x, module, rows: int):
     per-token (row i of its output depends on row i of x only) and read `module`'s
     parameters, whose gradients are taken."""
     params = _trainable(module)
-    if not (torch.is_grad_enabled() and (x.requires_grad or params)):
-        return forward(x)  # nothing kept for a backward: tiles would only cost time
+    if not (torch.is_grad_enabled() and (x.requires_grad or params)) \
+            or torch.compiler.is_compiling():
+        return forward(x)  # nothing to keep for a backward, or the compiler chooses it
     return _Tiled.apply(forward, module, rows, x, *params)
 
 
