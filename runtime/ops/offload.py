@@ -5,10 +5,11 @@ backward, so the device holds one block's worth at a time.
 Applied as a saved-tensors hook around the checkpoint: the checkpoint saves its inputs
 through the hook, while everything saved inside the block goes to the checkpoint's own hook
 (the innermost hook wins), which keeps nothing. On CUDA the copies run on a side stream into
-pinned memory, the forward going on meanwhile; in the backward a block's unpack also starts
-the copy back of the inputs of the block before it (whose backward runs next), so they are
-on the device by the time they are read. On the CPU the copy is a plain one, host to host, read
-back as it is. A copy is exact, so the step is the checkpointed step's, bit for bit.
+pinned memory, the forward going on meanwhile; in the backward, once a block's recompute has
+run, the copy back of the inputs of the block before it (whose backward runs next) starts,
+so they are on the device by the time they are read, and not while the recompute peaks.
+On the CPU the copy is a plain one, host to host, read back as it is. A copy is exact, so
+the step is the checkpointed step's, bit for bit.
 
 A tensor several blocks take (transformers' rotary cos and sin, a mask) is copied once per
 forward: later blocks reuse its host copy while the same tensor object, unchanged (its
@@ -118,32 +119,29 @@ def _pack(tensor: torch.Tensor):
     found = copies.get(id(tensor))
     if found is not None and found[0]() is tensor and found[1] == tensor._version:
         found[2].shared = True
-        return block, found[2]
+        return found[2]
     held = _Held(tensor)
     _count(held.nbytes)
     key = id(tensor)
     copies[key] = (weakref.ref(tensor, lambda _: copies.pop(key, None)), tensor._version, held)
     block.held.append(held)
-    return block, held
+    return held
 
 
 def _unpack(packed):
-    if not isinstance(packed, tuple):
-        return packed
-    block, held = packed
-    block.prefetch_previous()  # the block whose backward runs next
-    return held.fetch()
+    return packed.fetch() if isinstance(packed, _Held) else packed
 
 
 @contextlib.contextmanager
 def offloaded():
-    """The saved-tensors hooks that keep what one block's checkpoint saves on the host."""
+    """The saved-tensors hooks that keep what one block's checkpoint saves on the host; yields
+    the block's record, whose `prefetch_previous` its recompute calls once it has run."""
     block = _Block(_STATE.__dict__.get("last"))
     _STATE.last, outer = block, _STATE.__dict__.get("block")
     _STATE.block = block
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-            yield
+            yield block
     finally:
         _STATE.block = outer
 

@@ -72,17 +72,19 @@ def recomputed_forward(cls, offload: bool = False):
                     or getattr(self, "gradient_checkpointing", False) is True:
                 return forward(self, *args, **kwargs)
             args, kwargs = _without_cache(positional, self, args, kwargs)
-            with offloaded() if offload else contextlib.nullcontext():
-                return _checkpointed_call(forward, self, args, kwargs)
+            with offloaded() if offload else contextlib.nullcontext() as held:
+                return _checkpointed_call(forward, self, args, kwargs, held)
 
         _FORWARDS[forward, offload] = checkpointed
     return _FORWARDS[forward, offload]
 
 
-def _checkpointed_call(forward, block, args, kwargs):
+def _checkpointed_call(forward, block, args, kwargs, held=None):
     """forward(block, *args, **kwargs) under the checkpoint, every tensor in the arguments
     passed to it positionally. The recompute's call (every call after the first) leaves
-    BatchNorm's running statistics as the forward left them."""
+    BatchNorm's running statistics as the forward left them, and, where the inputs wait on
+    the host (`held`, offload's record of this block), starts fetching the block before's
+    once it has run: its backward comes next, and this one's recompute is done with them."""
     leaves, layout = tree_flatten((args, kwargs))
     where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     # the closure holds no tensor: the checkpoint keeps them (where a saved-tensors hook,
@@ -97,8 +99,12 @@ def _checkpointed_call(forward, block, args, kwargs):
         call_args, call_kwargs = tree_unflatten(values, layout)
         again = bool(calls)
         calls.append(None)
-        with _statistics_kept(block) if again else contextlib.nullcontext():
-            return forward(block, *call_args, **call_kwargs)
+        try:
+            with _statistics_kept(block) if again else contextlib.nullcontext():
+                return forward(block, *call_args, **call_kwargs)
+        finally:  # also where the checkpoint stops the recompute early
+            if again and held is not None:
+                held.prefetch_previous()
 
     return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False,
                       preserve_rng_state=True)
