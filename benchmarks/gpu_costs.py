@@ -110,8 +110,8 @@ def option_costs(device, repeats, n=2**24, width=4096) -> dict:
     return out
 
 
-def host_rate(repeats, size=2**28) -> float:
-    """Bytes per second of a pinned copy between host and card, the slower of the two ways."""
+def host_rates(repeats, size=2**28) -> tuple[float, float]:
+    """(host to card, card to host) bytes per second of a pinned copy of `size` bytes."""
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     card = torch.empty(size, dtype=torch.uint8, device="cuda")
     rates = []
@@ -123,7 +123,7 @@ def host_rate(repeats, size=2**28) -> float:
             dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
         rates.append(repeats * size / (time.perf_counter() - start))
-    return min(rates)
+    return rates[0], rates[1]
 
 
 def measure_card(model, batch, seq, device="cuda", repeats=10, n=2**24, width=4096,
@@ -134,7 +134,7 @@ def measure_card(model, batch, seq, device="cuda", repeats=10, n=2**24, width=40
     return {"device": where, "model": model, "shape": f"{batch} x {seq}",
             "date": str(datetime.date.today()), "torch": torch.__version__,
             "bytes_per_s": copy_gbs(device, repeats, copied) * 1e9,
-            **({"host_bytes_per_s": host_rate(repeats)} if device == "cuda" else {}),
+            **({"host_bytes_per_s": min(host_rates(repeats))} if device == "cuda" else {}),
             "flops_per_s": step_rate(model, batch, seq, device, repeats),
             "option_s_per_byte": option_costs(device, repeats, n, width)}
 

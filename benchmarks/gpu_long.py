@@ -5,12 +5,13 @@ against the estimate's, and the step time with block inputs offloaded against wi
     python benchmarks/gpu_long.py --device cpu --model llama-tiny --seqs 256 --lora 4
 
 First the host link: pinned host-to-device and device-to-host copies of 1 GiB, bytes per
-second (the rate an offloaded block input moves at). Then, for each policy and length, a
-fresh model (the config's shape, bf16 weights, random values, PEFT LoRA as `estimate --lora`
-puts it), one warm-up step at the first length, then one step (forward, backward, AdamW)
-timed: its `max_memory_allocated` beside the estimate's total for the same setup (weights,
-gradients, optimizer state and activation peak, margins aside), and the step time. Lengths
-the estimate says do not fit the card are skipped, as are those past `--seconds`.
+second (the rate an offloaded block input moves at; `gpu_costs.py` stores it for the
+planner). Then, for each policy and length, a fresh model (the config's shape, bf16 weights,
+random values, PEFT LoRA as `estimate --lora` puts it), one warm-up step at the first
+length, then one step (forward, backward, AdamW) timed: its `max_memory_allocated` beside
+the estimate's total for the same setup (weights, gradients, optimizer state and activation
+peak, margins aside), and the step time. Lengths the estimate says do not fit the card are
+skipped, as are those past `--seconds`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_costs import host_rates  # noqa: E402
 from measure import table  # noqa: E402
 
 from actdesign.runtime import compress  # noqa: E402
@@ -37,22 +39,6 @@ PRECISION = "bf16-weights-autocast"
 POLICIES = {"llm+tiled+offload": "llm+tiled+offload",
             "llm+tiled+checkpoint": {"rules": [*P.load("llm+tiled").to_dict()["rules"],
                                                {"target": "block", "apply": "checkpoint"}]}}
-
-
-def host_link(device, size=2**30) -> tuple[float, float]:
-    """(host-to-device, device-to-host) bytes per second of a pinned copy of `size` bytes."""
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    card = torch.empty(size, dtype=torch.uint8, device=device)
-    rates = []
-    for dst, src in ((card, host), (host, card)):
-        dst.copy_(src, non_blocking=True)  # warm-up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        rates.append(3 * size / (time.perf_counter() - start))
-    return rates[0], rates[1]
 
 
 def build(name, policy, lora, device):
@@ -96,7 +82,7 @@ def main():
     card = torch.cuda.get_device_name(0) if cuda else "CPU"
     capacity = torch.cuda.get_device_properties(0).total_memory if cuda else None
     if cuda:
-        h2d, d2h = host_link(args.device)
+        h2d, d2h = host_rates(3, 2**30)
         print(f"host link, pinned 1 GiB copies: host to device {h2d / 1e9:.1f} GB/s, device "
               f"to host {d2h / 1e9:.1f} GB/s", flush=True)
     print(f"{Path(args.model).name}, LoRA r = {args.lora}, batch 1, {PRECISION}, {card}, "
