@@ -170,7 +170,7 @@ class Solution:
     peak: int
     time: float
     error: float
-    offloaded: tuple[bool, ...] = ()  # per block: its input in host memory (recomputed too)
+    offloaded: tuple[bool, ...]  # per block: its input in host memory (recomputed too)
 
 
 def _byte_bound(problem):

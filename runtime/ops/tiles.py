@@ -132,12 +132,10 @@ class _Tiled(torch.autograd.Function):
                 if dx is not None:
                     dx[a:b] = got.pop(0)
                 for i, g in zip(wanted, got, strict=True):
-                    if g is not None:
-                        sums[i] = g.to(_wide(g.dtype)) if sums[i] is None else sums[i].add_(g)
+                    if g is None:
+                        continue
+                    wide = torch.promote_types(g.dtype, torch.float32)  # float32, or float64
+                    sums[i] = g.to(wide) if sums[i] is None else sums[i].add_(g)
                 del got
         grads = [None if s is None else s.to(p.dtype) for s, p in zip(sums, params, strict=True)]
         return None, None, None, None if dx is None else dx.view(ctx.x_shape), *grads
-
-
-def _wide(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32

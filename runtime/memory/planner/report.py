@@ -33,9 +33,8 @@ class MemoryPlan:
             if c:
                 o = s.options[c]
                 out.append((site.name, o.name, s.options[0].bytes - o.bytes, o.error, o.time))
-        offloaded = self.solution.offloaded or (False,) * len(p.blocks)
         for name, b, on, host in zip(self.costs.blocks, p.blocks, self.solution.recomputed,
-                                     offloaded, strict=True):
+                                     self.solution.offloaded, strict=True):
             if host:
                 out.append((name, "offload", b.inner_bytes, 0.0, b.time + b.offload_time))
             elif on:

@@ -143,10 +143,14 @@ def policy_of(rules: list[dict], label="plan") -> policy_mod.Policy:
 
 def checkpoint_rules(blocks, offloaded=()) -> list[dict]:
     """Rules recomputing `blocks`, those also in `offloaded` with their inputs on the host."""
+    moved = [b for b in blocks if b in offloaded]
     kept = [b for b in blocks if b not in offloaded]
-    return [{"target": "block", "name": names, "apply": "checkpoint", "offload": True}
-            for names in [[b for b in blocks if b in offloaded]] if names] + [
-            {"target": "block", "name": kept, "apply": "checkpoint"}] * bool(kept)
+    rules = []
+    if moved:
+        rules.append({"target": "block", "name": moved, "apply": "checkpoint", "offload": True})
+    if kept:
+        rules.append({"target": "block", "name": kept, "apply": "checkpoint"})
+    return rules
 
 
 def plan_policy(costs, solution) -> policy_mod.Policy:
@@ -157,10 +161,9 @@ def plan_policy(costs, solution) -> policy_mod.Policy:
         if c:
             method, opts = labelled(site.kind)[costs.problem.sites[i].options[c].name]
             rules += site_rules(site, method, opts)
-    offloaded = solution.offloaded or (False,) * len(costs.blocks)
     rules += checkpoint_rules(
         [b for b, on in zip(costs.blocks, solution.recomputed, strict=True) if on],
-        {b for b, on in zip(costs.blocks, offloaded, strict=True) if on})
+        {b for b, on in zip(costs.blocks, solution.offloaded, strict=True) if on})
     return policy_of(rules)
 
 
