@@ -46,6 +46,10 @@ from .fake import is_fake
 from .sharing import kept_for, rebuild
 from .targets import is_causal_lm
 
+# A chunk's logits hold at least this many values: its four products then take far longer on
+# a GPU than launching its seven kernels does.
+MIN_CHUNK_LOGITS = 2**26
+
 
 def fused_linear_cross_entropy(hidden, weight, labels=None, *, shift_labels=None,
                                ignore_index: int = -100, num_items_in_batch=None,
@@ -59,7 +63,8 @@ def fused_linear_cross_entropy(hidden, weight, labels=None, *, shift_labels=None
     `shift_labels` (..., T) is such labels too. Returns the mean over tokens whose label is
     not `ignore_index`, or their sum divided by `num_items_in_batch` when given. `chunk_size`
     tokens per chunk (default: about as many logits per chunk as the hidden states have
-    values, at least 256 tokens)."""
+    values, and at least 2^26 logits: a chunk launches seven kernels, so a short step is cut
+    into few chunks)."""
     if (labels is None) == (shift_labels is None):
         raise ActdesignError("give labels or shift_labels, not both or neither")
     if shift_labels is None:
@@ -76,7 +81,7 @@ def fused_linear_cross_entropy(hidden, weight, labels=None, *, shift_labels=None
     flat = hidden.reshape(-1, hidden.shape[-1])
     tokens, vocab = flat.shape[0], weight.shape[0]
     if chunk_size is None:
-        chunk_size = max(256, -(-tokens * flat.shape[1] // vocab))
+        chunk_size = -(-max(tokens * flat.shape[1], MIN_CHUNK_LOGITS) // vocab)
     with autocast_off(hidden.device.type):
         total = _FusedLinearCrossEntropy.apply(flat, weight, targets, ignore_index,
                                                int(chunk_size), dtype)
