@@ -190,6 +190,7 @@ def check_llm_ops(device):
                         .max().item() for a, b in zip(got, ref, strict=True))
             print(f"MS-GLU {kind} {dtype}: worst error / bound {worst:.2f}: {worst <= 1}")
             ok &= worst <= 1
+    ok &= check_gelu_new(device)
     tokens, d, vocab = (4096, 768, 32000) if device == "cuda" else (256, 64, 4000)
     hidden = torch.randn(tokens, d, device=device)
     weight = torch.randn(vocab, d, device=device) * 0.05
@@ -222,6 +223,31 @@ def check_llm_ops(device):
         print(f"fused loss, autocast={autocast}: error against float64 / eager's (loss, dhidden, "
               f"dweight) {', '.join(f'{r:.2f}' for r in ratios)}: {good}")
         ok &= good
+    return ok
+
+
+def check_gelu_new(device):
+    """The MS activation against eager GPT-2's gelu_new on the device, output and input
+    gradient, bit for bit (the kernels reproduce CUDA's roundings and call its tanh)."""
+    from transformers.activations import NewGELUActivation
+
+    from actdesign.runtime.ops.msact import MSActivation
+
+    ok = True
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(2**22, dtype=torch.float64) * 3).to(dtype).to(device)
+        dy = torch.randn(2**22, dtype=torch.float64).to(dtype).to(device)
+        results = []
+        for module in (NewGELUActivation(), MSActivation()):
+            leaf = x.clone().requires_grad_(True)
+            y = module(leaf * 1)
+            y.backward(dy)
+            results.append((y.detach(), leaf.grad))
+        (y0, dx0), (y1, dx1) = results
+        differ = ((y1 != y0).sum() + (dx1 != dx0).sum()).item()
+        print(f"MS activation gelu_new {dtype}: {differ} elements differ from eager's: "
+              f"{differ == 0}")
+        ok &= differ == 0
     return ok
 
 

@@ -92,7 +92,7 @@ def module_family(module: nn.Module, head: nn.Module | None) -> str | None:
     if is_norm(module) or name.startswith(("MSLayerNorm", "MSRMSNorm", "QMSLayerNorm",
                                            "QMSRMSNorm")):
         return "norms"
-    if is_gated_mlp(module) or name == "MSGLU" or is_activation(module) \
+    if is_gated_mlp(module) or name in ("MSGLU", "MSActivation") or is_activation(module) \
             or type(module).__module__.startswith("actdesign_ops_"):
         return "glu"
     if name.endswith("RotaryEmbedding"):

@@ -40,6 +40,7 @@ def test_every_kernel_compiles_for_cuda_targets(make_spec, tmp_path):
     # backward from x̂ with and without the affine and from y; and the affine)
     actnn = 2 * 3 * 2  # targets, dtypes, quantize and dequantize
     glu = 2 * 3 * 4  # targets, dtypes, kernels (silu and gelu_tanh, forward and backward)
+    glu += 2 * 2 * 2  # gelu_new: targets, 16-bit dtypes, forward and backward
     rope = 2 * 5 * 2  # targets, dtypes (and 16-bit cos and sin), forward and backward
     loss = 2 * 3 * 2 + 2  # targets, dtypes, forward and backward; and their vector check
     aligned = 2  # per spec: the vector and word check of forward and backward

@@ -212,7 +212,7 @@ def test_the_plan_is_no_worse_than_the_presets_at_their_bytes():
     costs = result.costs
     for name in ("fewbit3+msnorm", "fewbit3+msnorm+actnn2", "llm+actnn2", "llm+checkpoint"):
         point = planner.measure_policy(result, model, example, PRECISION,
-                                       planner.preset_policy(costs, name), name)
+                                       planner.preset_policy(costs, name), name, KERNELS)
         try:
             mine = verified(model, example, costs, point.peak, 2.0)
         except planner.ActdesignError:

@@ -23,12 +23,14 @@ def test_presets_combine_in_order():
 
 
 def test_lean_rules_come_last_in_joined_presets():
-    """llm's default for Linear layers yields to any other preset's Linear rule."""
+    """llm's defaults for Linear layers and activations yield to any other preset's rule for
+    them."""
     policy = P.load("llm+actnn2")
     assert [(r.target, r.apply) for r in policy.rules] == [
         ("norm", "msnorm"), ("glu", "msglu"), ("attention", "rope"), ("head", "fused_ce"),
-        ("linear", "actnn"), ("conv2d", "actnn"), ("linear", "lean")]
-    assert P.load("llm").rules[-1].apply == "lean"
+        ("linear", "actnn"), ("conv2d", "actnn"), ("linear", "lean"), ("activation", "msact")]
+    assert [r.apply for r in P.load("fewbit3+llm").rules] == [
+        "fewbit", "msnorm", "msglu", "rope", "fused_ce", "lean", "msact"]
 
 
 def test_file_round_trip_resolves_spec_paths(tmp_path, make_spec):

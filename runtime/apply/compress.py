@@ -37,6 +37,7 @@ from ..ops.edits import Edit, apply_all, undo_all
 from ..ops.glu import MSGLU
 from ..ops.lm_loss import FusedLossHead, plan_fused_loss
 from ..ops.lora import LeanLoRA, plan_lora
+from ..ops.msact import MSActivation
 from ..ops.norms import _QMSNorm, ms_norm
 from ..ops.pooled import PooledConv2d
 from ..ops.quantized import InputCodes, QConv2d, QLinear
@@ -557,6 +558,9 @@ def _replacement(name, m, rule, codes, sharing) -> tuple[nn.Module, str]:
             f"PooledConv2d (input pooled {opts['pool']}x{opts['pool']})"
     if rule.apply == "lean":
         return LeanLinear.from_module(m), "LeanLinear (no 16-bit weight copy kept)"
+    if rule.apply == "msact":
+        return MSActivation.from_module(m), "MSActivation (keeps its input only, which its " \
+            "reader shares; one kernel each way for 16-bit inputs on CUDA)"
     if rule.apply == "msglu":
         reads_codes = m.gate_proj in sharing and m.up_proj in sharing
         new = MSGLU.from_module(m, codes=_up_codes(codes.get(m.down_proj)),

@@ -24,6 +24,10 @@ exact. The preset `offload` recomputes every block, its input on the host:
 keeping only its input: the long-sequence option (the preset `tiled`; joined by `+`, its rule
 comes first, so `llm+tiled` tiles the MS-GLU that `llm` makes).
 
+`msact` gives an activation outside a gated MLP (GPT-2's gelu_new) one kernel each way and
+keeps only its input, which the layer reading its output shares; exact, so `llm` applies it
+where no other preset claims the activation.
+
 A policy is given as a preset name (`fewbit3`), presets joined by `+` (`fewbit3+msnorm`), a
 dict, a Policy, or a JSON file. Files are data only: a spec named in a rule is a path to a
 spec file (relative to the policy file), a built-in table name (`gelu3`: the 3-bit stepwise
@@ -54,6 +58,7 @@ METHODS = {
     "pooled": (("conv2d",), {"pool": 2}),
     "lean": (("linear",), {}),
     "msglu": (("glu",), {"tile": None}),
+    "msact": (("activation",), {}),
     "rope": (("attention",), {}),
     "fused_ce": (("head",), {"chunk_size": None}),
     "checkpoint": (("block",), {"offload": False}),
@@ -70,7 +75,7 @@ PRESETS = {
     "pooled2": [{"target": "conv2d", "apply": "pooled", "pool": 2}],
     "llm": [{"target": "norm", "apply": "msnorm"}, {"target": "glu", "apply": "msglu"},
             {"target": "attention", "apply": "rope"}, {"target": "head", "apply": "fused_ce"},
-            {"target": "linear", "apply": "lean"}],
+            {"target": "linear", "apply": "lean"}, {"target": "activation", "apply": "msact"}],
     # every block recomputed, its input kept in host memory meanwhile
     "offload": [{"target": "block", "apply": "checkpoint", "offload": True}],
     # gated MLPs in sequence tiles, the tile size from the shape
@@ -80,8 +85,9 @@ PRESETS = {
 # to the same modules (so llm+tiled tiles the MS-GLU llm makes).
 _LEADS = ("tiled",)
 # In presets joined by '+', these rules come last: the default for modules no other preset
-# claims (so llm+actnn2 quantizes the Linear layers llm would only keep lean).
-_FALLBACKS = ("lean",)
+# claims (so llm+actnn2 quantizes the Linear layers llm would only keep lean, and llm+fewbit3
+# gives GPT-2's activation its table).
+_FALLBACKS = ("lean", "msact")
 _BASE_KEYS = {"target", "apply", "name", "type"}
 _TABLE_NAME = re.compile(r"(re)?([a-z][a-z0-9_]*?)([1-8])")
 

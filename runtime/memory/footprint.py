@@ -59,7 +59,7 @@ def family_of(policy, checkpointing: bool) -> str:
     methods = {rule.apply for rule in policy.rules}
     if checkpointing or "checkpoint" in methods:
         return "checkpointing"
-    return "llm" if methods & {"msnorm", "msglu", "rope", "fused_ce", "lean"} else "eager"
+    return "llm" if methods & {"msnorm", "msglu", "msact", "rope", "fused_ce", "lean"} else "eager"
 
 
 @dataclass
