@@ -190,3 +190,11 @@ def test_opcheck_and_compile():
     y = compiled(h)
     y.sum().backward()
     assert torch.equal(y, eager(h))
+
+
+def test_a_second_derivative_is_refused():
+    x = torch.randn(8, requires_grad=True)
+    y = MSActivation()(x * 1)
+    (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        dx.sum().backward()

@@ -61,6 +61,7 @@ class _MSActivation(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a second derivative is refused, not wrong
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         return glu_ops().activation_backward(x, dy)
