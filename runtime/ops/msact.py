@@ -6,7 +6,8 @@ autograd nodes keep x, tanh's output, 0.5·x and 1 + tanh, and the down projecti
 five values per element. The MS activation keeps x alone and offers y to its reader as a
 recipe from that x (`sharing`), so the down projection rebuilds y in its backward instead of
 keeping it: one value. It computes eager's ops with eager's roundings, in one kernel each way
-on CUDA (`templates/glu_ops.py.jinja`), eager's own ops elsewhere: the results are eager's.
+for 16-bit CUDA tensors (`templates/glu_ops.py.jinja`), eager's own ops elsewhere: the results
+are eager's.
 """
 
 from __future__ import annotations
