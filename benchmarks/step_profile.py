@@ -75,10 +75,12 @@ FAMILIES = ("norms", "rotation", "glu", "attention", "linear", "loss", "casts", 
 _OP_FAMILIES = {"_to_copy": "casts", "_log_softmax": "loss", "_log_softmax_backward_data": "loss",
                 "nll_loss_forward": "loss", "nll_loss_backward": "loss", "nll_loss": "loss",
                 "cross_entropy_loss": "loss"}
-# Dispatched ops that launch no kernel: allocations and aliases (views are found by schema).
+# Dispatched ops that launch no kernel: allocations, aliases (views are found by schema) and
+# the profiler's ranges (the optimizer's step opens one).
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
               "_unsafe_view", "lift_fresh", "set_", "resize_", "_reshape_alias",
-              "promote_types", "result_type"}
+              "promote_types", "result_type", "_record_function_enter_new",
+              "_record_function_exit"}
 _MARK = "family::"
 
 
