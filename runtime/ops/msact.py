@@ -21,28 +21,20 @@ from .fake import on_host
 from .glu import glu_ops
 from .sharing import offer
 
-# transformers' activation classes whose eager ops the kernels reproduce, by class name
-ACTIVATIONS = {"NewGELUActivation": "gelu_new"}
+# the transformers activation class whose eager ops the kernels reproduce
+REPRODUCED = "NewGELUActivation"
 
 
 class MSActivation(nn.Module):
-    """act(x), keeping x only, its output offered to its reader as a recipe from x."""
-
-    def __init__(self, act: str = "gelu_new"):
-        super().__init__()
-        if act not in ACTIVATIONS.values():
-            raise ActdesignError(f"the MS activation computes {', '.join(ACTIVATIONS.values())}"
-                                 f", not {act!r}")
-        self.act = act
+    """gelu_new(x), keeping x only, its output offered to its reader as a recipe from x."""
 
     @classmethod
     def from_module(cls, m: nn.Module) -> MSActivation:
         """The MS activation computing what `m` computes; a probe checks it bit for bit."""
-        act = ACTIVATIONS.get(type(m).__name__)
-        if act is None or not type(m).__module__.startswith("transformers"):
-            raise ActdesignError(f"the MS activation reproduces transformers' "
-                                 f"{', '.join(ACTIVATIONS)} only")
-        new = cls(act)
+        if type(m).__name__ != REPRODUCED or not type(m).__module__.startswith("transformers"):
+            raise ActdesignError(f"the MS activation reproduces transformers' {REPRODUCED} "
+                                 "only")
+        new = cls()
         _check_probe(m, new)
         return new
 
@@ -50,7 +42,7 @@ class MSActivation(nn.Module):
         return _MSActivation.apply(x)
 
     def extra_repr(self):
-        return f"act={self.act}"
+        return "act=gelu_new"
 
 
 class _MSActivation(torch.autograd.Function):
@@ -80,4 +72,4 @@ def _check_probe(m, new):
         x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
         for dtype in (torch.float32, torch.bfloat16):
             if not torch.equal(new(x.to(dtype)), m(x.to(dtype))):
-                raise ActdesignError(f"its forward is not the eager {new.act} it is named for")
+                raise ActdesignError("its forward is not the eager gelu_new it is named for")
