@@ -43,9 +43,9 @@ def ops_for():
     return load
 
 
-def saved_storages(fn, x, params=()) -> dict:
+def saved_storages(fn, x, params=(), autocast=False) -> dict:
     """{storage: bytes} of what autograd keeps for fn(x)'s backward, parameters aside, each
-    storage once."""
+    storage once; with `autocast`, fn runs under CPU bfloat16 autocast."""
     import torch
 
     skip = {p.untyped_storage().data_ptr() for p in params}
@@ -57,7 +57,8 @@ def saved_storages(fn, x, params=()) -> dict:
             storages[ptr] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         fn(x)
     return storages
 

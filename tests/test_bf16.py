@@ -104,14 +104,8 @@ def test_no_16_bit_weight_copy_waits_for_the_backward(saved):
     x = torch.randn(4, 64, requires_grad=True)
     params = list(dense.parameters())
 
-    def under_autocast(module):
-        def run_it(x):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return module(x)
-        return run_it
-
-    eager = saved(under_autocast(dense), x, params)
-    lean = saved(under_autocast(LeanLinear.from_module(dense)), x, params)
+    eager = saved(dense, x, params, autocast=True)
+    lean = saved(LeanLinear.from_module(dense), x, params, autocast=True)
     assert sorted(eager.values()) == [4 * 64 * 2, 32 * 64 * 2]  # x and W in bfloat16
     assert list(lean.values()) == [4 * 64 * 2]  # x only
 

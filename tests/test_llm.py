@@ -392,15 +392,9 @@ def test_ms_glu_keeps_gate_and_up_only(saved):
     ours = MSGLU.from_module(copy.deepcopy(eager))
     x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)  # a norm's bf16 output
 
-    def under_autocast(module):
-        def run_it(t):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return module(t)
-        return run_it
-
-    kept = saved(under_autocast(ours), x, list(ours.parameters()))
+    kept = saved(ours, x, list(ours.parameters()), autocast=True)
     assert sorted(kept.values()) == [4 * 32 * 2, 4 * 80 * 2, 4 * 80 * 2]  # x, g, u
-    theirs = saved(under_autocast(eager), x, list(eager.parameters()))
+    theirs = saved(eager, x, list(eager.parameters()), autocast=True)
     # eager: x, g, act(g), u, h, and the three bf16 weight copies
     assert sum(theirs.values()) == 4 * 32 * 2 + 4 * 4 * 80 * 2 + 3 * 32 * 80 * 2
 

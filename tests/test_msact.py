@@ -117,15 +117,9 @@ def test_only_the_input_is_kept_and_the_reader_shares_it(saved):
     assert type(ours.act).__name__ == "MSActivation"
     h = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)  # a norm's bf16 output
 
-    def under_autocast(module):
-        def run_it(t):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return module(t)
-        return run_it
-
-    ours_kept = saved(under_autocast(ours), h, list(ours.parameters()))
+    ours_kept = saved(ours, h, list(ours.parameters()), autocast=True)
     assert sorted(ours_kept.values()) == [8 * 64 * 2, 8 * 256 * 2]  # h, and c_fc's output
-    eager_kept = saved(under_autocast(eager), h, list(eager.parameters()))
+    eager_kept = saved(eager, h, list(eager.parameters()), autocast=True)
     weights = 2 * 64 * 256 * 2  # autocast's bf16 weight copies (addmm keeps no bias)
     assert sum(eager_kept.values()) - weights == 8 * 64 * 2 + 5 * 8 * 256 * 2
 
