@@ -63,6 +63,18 @@ def saved_storages(fn, x, params=(), autocast=False) -> dict:
     return storages
 
 
+def module_step(module, x, dy, autocast=False):
+    """(output, input gradient, parameter gradients) of module on a copy of x, backward from
+    dy; the input is not a leaf, as inside a model (autocast casts it per layer)."""
+    import torch
+
+    leaf = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = module(leaf * 1)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), leaf.grad, [p.grad for p in module.parameters()]
+
+
 @pytest.fixture(scope="session")
 def saved():
     return saved_storages

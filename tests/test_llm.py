@@ -25,6 +25,7 @@ from actdesign.runtime.ops.lm_loss import (
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import module_step  # noqa: E402
 from lms import NAMES, architecture  # noqa: E402
 
 
@@ -374,14 +375,8 @@ def test_ms_glu_is_the_eager_mlp_bit_for_bit(act, mode):
     ours = MSGLU.from_module(copy.deepcopy(eager))
     x = torch.randn(3, 5, 32, dtype=dtype)
     g = torch.randn(3, 5, 32)
-    results = []
-    for module in (eager, ours):
-        leaf = x.clone().requires_grad_(True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-            y = module(leaf * 1)  # not a leaf, as inside a model: autocast casts it per layer
-        y.backward(g.to(y.dtype))
-        results.append((y, leaf.grad, [p.grad for p in module.parameters()]))
-    (y0, dx0, grads0), (y1, dx1, grads1) = results
+    (y0, dx0, grads0), (y1, dx1, grads1) = (module_step(m, x, g, mode == "autocast")
+                                            for m in (eager, ours))
     assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
     assert all(torch.equal(a, b) and a.dtype == p.dtype
                for a, b, p in zip(grads1, grads0, ours.parameters(), strict=True))

@@ -2,6 +2,8 @@
 bits on every path, one kernel each way, and the `llm` preset on GPT-2."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ from actdesign.runtime.apply import models
 from actdesign.runtime.ops.glu import glu_ops
 from actdesign.runtime.ops.msact import MSActivation
 
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import module_step  # noqa: E402
+
 transformers = pytest.importorskip("transformers")
 from transformers.activations import GELUActivation, NewGELUActivation  # noqa: E402
 
@@ -19,10 +24,7 @@ SQRT_2_OVER_PI = 0.7978845608028654
 
 
 def grads(module, x, dy):
-    leaf = x.clone().requires_grad_(True)
-    y = module(leaf * 1)  # not a leaf, as inside a model
-    y.backward(dy)
-    return y.detach(), leaf.grad
+    return module_step(module, x, dy)[:2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -133,14 +135,8 @@ def test_a_gpt2_mlp_is_eager_bit_for_bit(mode):
     compress(ours, "llm")
     x = torch.randn(3, 5, 64, dtype=dtype)
     dy = torch.randn(3, 5, 64)
-    results = []
-    for module in (eager, ours):
-        leaf = x.clone().requires_grad_(True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-            y = module(leaf * 1)
-        y.backward(dy.to(y.dtype))
-        results.append((y, leaf.grad, [p.grad for p in module.parameters()]))
-    (y0, dx0, g0), (y1, dx1, g1) = results
+    (y0, dx0, g0), (y1, dx1, g1) = (module_step(m, x, dy, mode == "autocast")
+                                    for m in (eager, ours))
     assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
     assert all(torch.equal(a, b) for a, b in zip(g1, g0, strict=True))
 
