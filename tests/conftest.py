@@ -1,6 +1,7 @@
 """Shared set-up. Triton runs its kernels on CPU tensors in the interpreter, which must be
 switched on before Triton is first imported; generated modules go to a per-session cache."""
 
+import contextlib
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -57,8 +58,9 @@ def saved_storages(fn, x, params=(), autocast=False) -> dict:
             storages[ptr] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    # enabled=False would switch off an autocast the caller opened: enter it only when asked
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
         fn(x)
     return storages
 
