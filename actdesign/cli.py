@@ -472,7 +472,7 @@ def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
     """Fit a table per activation layer to the inputs it sees on your data (and allocate ActNN
     bits exactly); write one policy that compress and profile accept."""
     from .runtime import load_policy
-    from .runtime.apply import models as model_mod
+    from .runtime import models as model_mod
     from .runtime.apply.policy import save
     from .runtime.memory.calibrate_policy import calibrate_policy
 
@@ -530,7 +530,7 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
 
     from .files import write_atomic
     from .options import parse_budget
-    from .runtime.apply import models as model_mod
+    from .runtime import models as model_mod
     from .runtime.apply.policy import save
     from .runtime.memory import cards, planner
 
@@ -576,7 +576,7 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
 
 
 def _batches(function, name):
-    from .runtime.apply.batches import iterate
+    from .runtime.models.batches import iterate
 
     return iterate(function(), f"what data {name!r} returned")
 

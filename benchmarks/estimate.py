@@ -42,8 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from measure import table  # noqa: E402
 
 from actdesign.errors import ActdesignError  # noqa: E402
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.memory.estimate import estimate, step  # noqa: E402
 from actdesign.runtime.memory.profile import PRECISIONS  # noqa: E402
 

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from actdesign import runtime, spec  # noqa: E402
 from actdesign.designer import fit_stepwise  # noqa: E402
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 from actdesign.runtime.memory import planner  # noqa: E402
 from actdesign.runtime.ops.quantized import QLinear  # noqa: E402
 from actdesign.runtime.ops.sparse import SparseLinear  # noqa: E402

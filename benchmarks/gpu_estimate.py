@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from measure import table  # noqa: E402
 
 from actdesign.errors import ActdesignError  # noqa: E402
-from actdesign.runtime import account, compress
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import account, compress, models  # noqa: E402
 from actdesign.runtime.memory.estimate import _checkpointing, estimate, step  # noqa: E402
 from actdesign.runtime.memory.profile import PRECISIONS, forward_context  # noqa: E402
 

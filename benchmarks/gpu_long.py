@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_costs import host_rates  # noqa: E402
 from measure import table  # noqa: E402
 
-from actdesign.runtime import compress  # noqa: E402
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.apply import policy as P  # noqa: E402
 from actdesign.runtime.memory.estimate import _with_lora, estimate  # noqa: E402
 from actdesign.runtime.memory.profile import forward_context  # noqa: E402

@@ -28,8 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.memory import cards
 from actdesign.runtime.memory.estimate import _checkpointing, estimate  # noqa: E402
 from actdesign.runtime.memory.profile import forward_context  # noqa: E402

@@ -27,8 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 from actdesign.runtime.memory import planner  # noqa: E402
 
 estimate = importlib.import_module("actdesign.runtime.memory.estimate")

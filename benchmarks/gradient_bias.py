@@ -35,8 +35,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import table  # noqa: E402
 
-from actdesign.runtime import compress, norm_ops
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import compress, models, norm_ops  # noqa: E402
 
 
 def near_one(model, spread=0.01, seed=0):

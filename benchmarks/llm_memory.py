@@ -42,8 +42,7 @@ from measure import (  # noqa: E402
     table,
 )
 
-from actdesign.runtime import account, compress
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import account, compress, models  # noqa: E402
 from actdesign.runtime.memory.profile import PRECISIONS, forward_context  # noqa: E402
 
 ROWS = ["baseline", "checkpointing", "fewbit3+msnorm", "fewbit3+msnorm+checkpointing", "llm",

@@ -37,8 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from llm_memory import LIGER, measure  # noqa: E402
 from measure import emulate_bf16_matmuls, table  # noqa: E402
 
-from actdesign.runtime import account, compress
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import account, compress, models  # noqa: E402
 from actdesign.runtime.memory.profile import forward_context  # noqa: E402
 
 ROWS = ["peft", "peft+checkpointing", "llm", "llm+checkpointing", "llm+fewbit3",

@@ -36,8 +36,7 @@ from measure import table  # noqa: E402
 
 from actdesign.designer import plan as solver  # noqa: E402
 from actdesign.errors import ActdesignError  # noqa: E402
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.memory import cards, planner
 from actdesign.runtime.memory.estimate import step  # noqa: E402
 

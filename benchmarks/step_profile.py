@@ -54,8 +54,7 @@ from measure import table  # noqa: E402
 
 from actdesign import launches as launch_log  # noqa: E402
 from actdesign.errors import ActdesignError  # noqa: E402
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.memory.estimate import _checkpointing, fake_model, shapes_only  # noqa: E402
 from actdesign.runtime.memory.profile import PRECISIONS, bf16_weights, forward_context  # noqa: E402
 from actdesign.runtime.ops.hooks import observer  # noqa: E402

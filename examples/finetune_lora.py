@@ -25,8 +25,7 @@ import torch
 import toy_lm
 import transformers
 
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

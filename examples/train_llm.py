@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import toy_lm
 
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 from actdesign.runtime.apply.policy import FORMAT, PRESETS
 
 RECOMPUTE_LAYERS = {"target": "block", "name": "model.layers.*", "apply": "checkpoint"}

@@ -9,7 +9,7 @@
     act = ops.Module()                   # drop-in activation module
 """
 
-from .apply import models
+from . import models
 from .apply.accounting import SavedBytes, account
 from .apply.compress import Report, compress
 from .apply.policy import Policy

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import QLinear, calibrate
-from actdesign.runtime.apply import batches, models
+from actdesign.runtime import QLinear, calibrate, models
 from actdesign.runtime.memory.calibrate_policy import calibrate_policy
+from actdesign.runtime.models import batches
 
 
 class Net(nn.Module):

@@ -171,8 +171,7 @@ def test_ms_norms_round_y_once_and_differentiate_through_it(kind, mode, dtype):
 # --- every preset on every built-in model -----------------------------------------------------
 
 transformers = pytest.importorskip("transformers")
-from actdesign.runtime import compress  # noqa: E402
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.apply.policy import PRESETS  # noqa: E402
 
 ARCHS = ["gpt2-tiny", "llama-tiny", "bert-tiny", "vit-tiny"]

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import account, compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import account, compress, models
 from actdesign.runtime.apply import policy as P
 from actdesign.runtime.memory.estimate import estimate, step
 from actdesign.runtime.ops.recompute import is_checkpoint_forward

@@ -230,7 +230,7 @@ def test_profile_progress_on_stderr_and_pure_json_on_stdout(capsys):
     # exact bytes: weight copies apart from activations, which sum to the total
     import torch
 
-    from actdesign.runtime.apply import models
+    from actdesign.runtime import models
 
     model, _ = models.build("llama-tiny")
     copies = sum(2 * m.weight.numel() for m in model.modules()

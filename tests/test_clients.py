@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 from actdesign.runtime.memory import planner
 
 transformers = pytest.importorskip("transformers")

@@ -9,8 +9,7 @@ import copy
 import pytest
 import torch
 
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 
 pytest.importorskip("transformers")
 

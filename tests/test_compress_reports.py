@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import compress, load_policy
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, load_policy, models
 
 pytest.importorskip("transformers")
 

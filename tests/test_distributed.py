@@ -80,7 +80,7 @@ def make_lm(lora=False, policy="llm", tile=None):
     seven projections first (B drawn, so that A's gradients are not zero; no dropout, whose
     masks depend on how the batch is split), the lean LoRA path on each. With `tile`, the
     gated MLPs run in tiles of that many tokens."""
-    from actdesign.runtime.apply import models
+    from actdesign.runtime import models
 
     model, _ = models.build("llama-tiny")
     model = model.double().train()
@@ -154,7 +154,7 @@ def run_lm_case(rank, mode, policy):
     if mode == "wrapped":
         refused = []
         for wrap in (DistributedDataParallel, fully_shard):
-            plain, _ = __import__("actdesign.runtime.apply.models", fromlist=["build"]).build(
+            plain, _ = __import__("actdesign.runtime.models", fromlist=["build"]).build(
                 "llama-tiny")
             wrapped = wrap(plain)
             try:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from actdesign.runtime import compress
-from actdesign.runtime.apply.models import example_batch, loss_of
+from actdesign.runtime.models import example_batch, loss_of
 
 
 class Block(nn.Module):

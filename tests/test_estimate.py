@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from actdesign import runtime
 from actdesign.errors import ActdesignError
-from actdesign.runtime.apply import models
+from actdesign.runtime import models
 from actdesign.runtime.memory import profile as profile_mod
 from actdesign.runtime.memory.estimate import _checkpointing, estimate, parse_size, step
 

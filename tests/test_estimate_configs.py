@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actdesign.runtime.apply import models
+from actdesign.runtime import models
 from actdesign.runtime.memory.estimate import estimate
 
 CONFIGS = Path(__file__).parent.parent / "benchmarks" / "configs"

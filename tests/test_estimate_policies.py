@@ -8,8 +8,7 @@ import pytest
 import torch
 from lms import MOE, NAMES, architecture
 
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 from actdesign.runtime.memory.estimate import _checkpointing, _with_lora, estimate, step
 from actdesign.runtime.memory.profile import _to
 

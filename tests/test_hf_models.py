@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import MSLayerNorm, MSRMSNorm, account, compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import MSLayerNorm, MSRMSNorm, account, compress, models
 from actdesign.runtime.memory.calibrate_policy import calibrate_policy
 from actdesign.runtime.memory.profile import PRECISIONS, profile
 

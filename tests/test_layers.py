@@ -1,7 +1,8 @@
-"""runtime/ is three floors, and the public API sits on top of them.
+"""runtime/ is a stack of floors, and the public API sits on top of them.
 
 - ops: what runs inside a training step;
-- apply: a policy applied to a model (policy, trace, compress, accounting, built-in models);
+- models: the built-in models, configs and the batch forms;
+- apply: a policy applied to a model (policy, trace, compress, accounting);
 - memory: reasoning about a whole step (estimate, profile, calibration, the planner).
 
 An import stays on its floor or goes down, never up; the graph of imports between runtime's
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
-FLOORS = ("ops", "apply", "memory")  # bottom to top
+FLOORS = ("ops", "models", "apply", "memory")  # bottom to top
 
 
 def module_name(path: Path) -> str:
@@ -117,5 +118,5 @@ def test_the_public_api_stays_where_users_import_it():
     assert set(runtime.__all__) == set(PUBLIC) | {"plan", "models"}
     for name, home in PUBLIC.items():
         assert getattr(runtime, name).__module__ == f"actdesign.runtime.{home}", name
-    assert runtime.models.__name__ == "actdesign.runtime.apply.models"
+    assert runtime.models.__name__ == "actdesign.runtime.models"
     assert callable(runtime.plan) and runtime.plan.__module__ == "actdesign.runtime"

@@ -13,8 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import LeanLinear, MSRMSNorm, account, compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import LeanLinear, MSRMSNorm, account, compress, models
 from actdesign.runtime.ops.glu import MSGLU, glu_ops
 from actdesign.runtime.ops.lm_loss import (
     FusedLossHead,

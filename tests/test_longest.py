@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from actdesign import ActdesignError
-from actdesign.runtime import estimate
-from actdesign.runtime.apply import models
+from actdesign.runtime import estimate, models
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import run_cli  # noqa: E402

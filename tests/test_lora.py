@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import account, compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import account, compress, models
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")

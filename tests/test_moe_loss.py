@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 from actdesign.runtime.ops.lm_loss import FusedLossHead, attach_fused_loss
 
 transformers = pytest.importorskip("transformers")

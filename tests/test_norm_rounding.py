@@ -9,8 +9,7 @@ import sys
 import pytest
 import torch
 
-from actdesign.runtime import compress, norm_ops
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models, norm_ops
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import compress, estimate
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, estimate, models
 from actdesign.runtime.apply import policy as P
 from actdesign.runtime.memory.estimate import step
 from actdesign.runtime.ops import offload

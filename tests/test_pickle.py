@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from actdesign.runtime import account, compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import account, compress, models
 from actdesign.runtime.apply import policy as policy_mod
 
 HERE = Path(__file__).parent

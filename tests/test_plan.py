@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models, policy
+from actdesign.runtime import compress, models
+from actdesign.runtime.apply import policy
 from actdesign.runtime.ops import edits, glu, lm_loss, norms, rope
 
 compress_module = importlib.import_module("actdesign.runtime.apply.compress")

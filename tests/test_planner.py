@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from actdesign.designer import plan as solver
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 from actdesign.runtime.apply import policy as policy_mod
 from actdesign.runtime.memory import cards, planner
 

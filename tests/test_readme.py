@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from actdesign.activation import builtin_names
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 from actdesign.runtime.apply.policy import table_name
 
 ROOT = Path(__file__).resolve().parents[1]

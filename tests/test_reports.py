@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import LeanLinear, MSLayerNorm, compress, ms_norm
-from actdesign.runtime.apply import models
+from actdesign.runtime import LeanLinear, MSLayerNorm, compress, models, ms_norm
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import compress
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, models
 from actdesign.runtime.ops.rope import _reference, attach_rotary, rotary
 from actdesign.runtime.ops.targets import target_of
 

@@ -316,8 +316,7 @@ def test_calibration_gives_a_norm_and_its_readers_one_bit_width(amp, dtype, tmp_
 
     from actdesign.cli import main
     from actdesign.designer.allocate import load_bits
-    from actdesign.runtime import account, calibrate, compress
-    from actdesign.runtime.apply import models
+    from actdesign.runtime import account, calibrate, compress, models
 
     torch.manual_seed(8)
     model, _ = models.build("llama-tiny", seed=0)
@@ -357,8 +356,7 @@ def test_calibration_gives_a_norm_and_its_readers_one_bit_width(amp, dtype, tmp_
 
 
 def test_a_calibrated_policy_keeps_the_codes_shared():
-    from actdesign.runtime import compress
-    from actdesign.runtime.apply import models
+    from actdesign.runtime import compress, models
     from actdesign.runtime.memory.calibrate_policy import calibrate_policy
 
     model, _ = models.build("llama-tiny", seed=0)

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import step_profile  # noqa: E402
 
-from actdesign.runtime.apply import models  # noqa: E402
+from actdesign.runtime import models  # noqa: E402
 from actdesign.runtime.ops.lm_loss import MIN_CHUNK_LOGITS  # noqa: E402
 
 pytest.importorskip("transformers")

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from actdesign.errors import ActdesignError
-from actdesign.runtime import compress, estimate
-from actdesign.runtime.apply import models
+from actdesign.runtime import compress, estimate, models
 from actdesign.runtime.apply import policy as P
 from actdesign.runtime.ops.glu import MSGLU
 from actdesign.runtime.ops.tiles import SMALLEST_AUTO_TILE, spans, tile_rows

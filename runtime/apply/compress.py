@@ -30,6 +30,7 @@ from actdesign.activation import resolve
 from actdesign.designer.allocate import load_bits
 from actdesign.errors import ActdesignError
 
+from .. import models
 from ..ops.cache import load
 from ..ops.compressed import LeanLinear
 from ..ops.draws import forked_rng
@@ -46,7 +47,6 @@ from ..ops.rope import is_rotary_forward, plan_rotary
 from ..ops.sparse import SparseConv2d, SparseLinear
 from ..ops.tables import table
 from ..ops.targets import activation_name, has_builtin, is_lora_linear, peft_refusal, target_of
-from . import models
 from . import policy as policy_mod
 from .accounting import SavedBytes, account
 from .trace import inputs_kept_elsewhere, norm_consumers

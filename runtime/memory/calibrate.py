@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from actdesign.designer.allocate import allocate, save_bits, save_stats
 from actdesign.errors import ActdesignError
 
-from ..apply import batches as batch_forms
+from ..models import batches as batch_forms
 from ..ops.norms import _QMSNorm
 from ..ops.quantized import QConv2d, QLinear
 from ..ops.sharing import whole
@@ -56,7 +56,7 @@ def calibrate(model, batches, *, avg_bits: float = 2.0, per: str = "layer", loss
     """Run forward and backward once per batch, collect C, allocate bits exactly and set them
     on the model's QLinear/QConv2d layers. Returns {layer name: bits}.
 
-    `batches` yields batches in any form of `apply.batches`: a tensor, a dict of keyword
+    `batches` yields batches in any form of `models.batches`: a tensor, a dict of keyword
     inputs, a tuple of positional inputs or an (inputs, targets) pair; the loss is the
     cross-entropy against the targets, else the model's own. `loss(model, batch)` overrides
     it. per="layer" gives each layer one bit width

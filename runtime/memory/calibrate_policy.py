@@ -20,9 +20,9 @@ import torch
 from actdesign import spec as spec_mod
 from actdesign.errors import ActdesignError
 
-from ..apply import batches as batch_forms
 from ..apply import policy as policy_mod
 from ..apply.compress import compress, match
+from ..models import batches as batch_forms
 from ..ops.tables import table
 from ..ops.targets import activation_name
 from .calibrate import calibrate
@@ -109,7 +109,7 @@ def calibrate_policy(model: torch.nn.Module, batches, policy="fewbit3", *, bits:
     """Per-layer tables (and ActNN bits) for `model` on `batches`, as a policy.
 
     `batches` is a list, or a function returning a fresh iterable, of batches in any form of
-    `apply.batches` (a tensor, a dict of keyword inputs, a tuple of positional inputs or an
+    `models.batches` (a tensor, a dict of keyword inputs, a tuple of positional inputs or an
     (inputs, targets) pair). `policy` is the base: its fewbit
     rules choose which activations get their own table (with the rule's bits, or `bits`), and
     its actnn rules which layers get allocated bits, on average the rule's bits (or

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from actdesign.errors import ActdesignError
 from actdesign.options import parse_size
 
-from ..apply import models
+from .. import models
 from ..apply import policy as policy_mod
 from ..apply.accounting import account, storage_key
 from ..apply.compress import compress
@@ -408,7 +408,7 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
     peak. `kernels`: whose allocations the peak follows for our ops, the CUDA kernels' (their
     outputs alone) or the CPU paths' (their float32 working copies too). `card`: whose
     measured margins to use (cards.NAMES); without one, or unmeasured, they are assumed.
-    `example_inputs`: a batch (real tensors, any form apply.batches reads) to run in place
+    `example_inputs`: a batch (real tensors, any form models.batches reads) to run in place
     of random tokens at `batch` x `seq`, as a model object other than a transformers model
     needs. `longest`: "seq" or "batch", to search instead for the largest multiple of `step`
     (default 256 tokens, 1 sequence) along it whose step fits each `gpu_memory` size, by

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from actdesign.errors import ActdesignError
 from actdesign.options import PRECISIONS
 
-from ..apply import models
+from .. import models
 from ..apply.accounting import account
 from ..apply.compress import Report, compress
 

@@ -46,7 +46,7 @@ from torch import nn
 from actdesign.errors import ActdesignError
 from actdesign.options import parse_budget
 
-from ...apply import batches as batch_forms
+from ...models import batches as batch_forms
 from .. import cards
 from . import explain as explain_mod
 from .costs import Costs, ShapeStep, ShapeSteps, measure_costs
@@ -86,7 +86,7 @@ def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="b
     `example_inputs` (default: the first batch), has an activation peak within `budget`
     (bytes, a size such as "20GiB", or a fraction of the uncompressed model's saved bytes)
     and a modelled step time within `max_slowdown` times the lossless one's. `batches`: the
-    calibration batches, in any form of `apply.batches` (a tensor, a dict of keyword inputs,
+    calibration batches, in any form of `models.batches` (a tensor, a dict of keyword inputs,
     a tuple of positional inputs or an (inputs, targets) pair; a transformers model given
     labels computes its own loss). With `explain`, the plan also holds every preset beside
     it, the lossless plan a larger slowdown would allow, and its error beside the gradient's

@@ -11,8 +11,8 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 
-from ...apply import batches as batch_forms
 from ...apply.compress import compress
+from ...models import batches as batch_forms
 from ...ops.draws import forked_rng
 from .sites import Site, labelled, policy_of, site_rules
 

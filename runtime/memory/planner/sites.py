@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...apply import models
+from ... import models
 from ...apply import policy as policy_mod
 from ...apply.compress import match
 from ...ops.draws import forked_rng

@@ -27,7 +27,7 @@ import torch
 
 from actdesign.errors import ActdesignError
 
-from .batches import call as call  # every batch form, read one way (apply.batches)
+from .batches import call as call  # every batch form, read one way (models.batches)
 from .batches import loss_of as loss_of
 
 # name -> (config class, model class, config arguments); "-tiny" variants: 2 layers, d=64.
