@@ -474,7 +474,7 @@ def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
     from .runtime import load_policy
     from .runtime import models as model_mod
     from .runtime.apply.policy import save
-    from .runtime.memory.calibrate_policy import calibrate_policy
+    from .runtime.calibration.policy import calibrate_policy
 
     _check_out(out, "policy", force)
     base = load_policy(policy or f"fewbit{bits or 3}")

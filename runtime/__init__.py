@@ -14,8 +14,8 @@ from .apply.accounting import SavedBytes, account
 from .apply.compress import Report, compress
 from .apply.policy import Policy
 from .apply.policy import load as load_policy
-from .memory.calibrate import calibrate
-from .memory.calibrate_policy import calibrate_policy
+from .calibration.bits import calibrate
+from .calibration.policy import calibrate_policy
 from .memory.estimate import Estimate, estimate
 from .ops.cache import cache_dir, load, load_source
 from .ops.compressed import LeanLinear

@@ -12,7 +12,7 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime import QLinear, calibrate, models
-from actdesign.runtime.memory.calibrate_policy import calibrate_policy
+from actdesign.runtime.calibration.policy import calibrate_policy
 from actdesign.runtime.models import batches
 
 

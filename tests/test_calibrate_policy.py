@@ -7,7 +7,7 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime import compress
-from actdesign.runtime.memory.calibrate_policy import StreamingHistogram, calibrate_policy
+from actdesign.runtime.calibration.policy import StreamingHistogram, calibrate_policy
 
 
 def test_streaming_histogram_equals_direct_binning_after_growing():

@@ -9,7 +9,7 @@ import torch
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime import MSLayerNorm, MSRMSNorm, account, compress, models
-from actdesign.runtime.memory.calibrate_policy import calibrate_policy
+from actdesign.runtime.calibration.policy import calibrate_policy
 from actdesign.runtime.memory.profile import PRECISIONS, profile
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
-FLOORS = ("ops", "models", "apply", "memory")  # bottom to top
+FLOORS = ("ops", "models", "apply", "calibration", "memory")  # bottom to top
 
 
 def module_name(path: Path) -> str:
@@ -100,8 +100,8 @@ PUBLIC = {
     "compress": "apply.compress", "Report": "apply.compress", "Policy": "apply.policy",
     "load_policy": "apply.policy", "account": "apply.accounting",
     "SavedBytes": "apply.accounting", "estimate": "memory.estimate",
-    "Estimate": "memory.estimate", "calibrate": "memory.calibrate",
-    "calibrate_policy": "memory.calibrate_policy", "load": "ops.cache",
+    "Estimate": "memory.estimate", "calibrate": "calibration.bits",
+    "calibrate_policy": "calibration.policy", "load": "ops.cache",
     "load_source": "ops.cache", "cache_dir": "ops.cache", "LeanLinear": "ops.compressed",
     "fused_linear_cross_entropy": "ops.lm_loss", "MSLayerNorm": "ops.norms",
     "MSRMSNorm": "ops.norms", "QMSLayerNorm": "ops.norms", "QMSRMSNorm": "ops.norms",

@@ -357,7 +357,7 @@ def test_calibration_gives_a_norm_and_its_readers_one_bit_width(amp, dtype, tmp_
 
 def test_a_calibrated_policy_keeps_the_codes_shared():
     from actdesign.runtime import compress, models
-    from actdesign.runtime.memory.calibrate_policy import calibrate_policy
+    from actdesign.runtime.calibration.policy import calibrate_policy
 
     model, _ = models.build("llama-tiny", seed=0)
     batches = [models.example_batch(model, 4, 64) for _ in range(2)]

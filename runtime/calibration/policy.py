@@ -25,7 +25,7 @@ from ..apply.compress import compress, match
 from ..models import batches as batch_forms
 from ..ops.tables import table
 from ..ops.targets import activation_name
-from .calibrate import calibrate
+from .bits import calibrate
 
 
 class StreamingHistogram:
