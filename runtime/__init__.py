@@ -21,7 +21,7 @@ from .ops.cache import cache_dir, load, load_source
 from .ops.compressed import LeanLinear
 from .ops.lm_loss import fused_linear_cross_entropy
 from .ops.norms import MSLayerNorm, MSRMSNorm, QMSLayerNorm, QMSRMSNorm, ms_norm, norm_ops
-from .ops.pooled import PooledConv2d
+from .ops.pooled_conv import PooledConv2d
 from .ops.quantized import QConv2d, QLinear, actnn_ops, qconv2d, qlinear
 from .ops.sparse import SparseConv2d, SparseLinear
 

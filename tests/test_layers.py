@@ -105,7 +105,7 @@ PUBLIC = {
     "load_source": "ops.cache", "cache_dir": "ops.cache", "LeanLinear": "ops.compressed",
     "fused_linear_cross_entropy": "ops.lm_loss", "MSLayerNorm": "ops.norms",
     "MSRMSNorm": "ops.norms", "QMSLayerNorm": "ops.norms", "QMSRMSNorm": "ops.norms",
-    "ms_norm": "ops.norms", "norm_ops": "ops.norms", "PooledConv2d": "ops.pooled",
+    "ms_norm": "ops.norms", "norm_ops": "ops.norms", "PooledConv2d": "ops.pooled_conv",
     "QLinear": "ops.quantized", "QConv2d": "ops.quantized", "qlinear": "ops.quantized",
     "qconv2d": "ops.quantized", "actnn_ops": "ops.quantized", "SparseLinear": "ops.sparse",
     "SparseConv2d": "ops.sparse",

@@ -40,7 +40,7 @@ from ..ops.lm_loss import FusedLossHead, plan_fused_loss
 from ..ops.lora import LeanLoRA, plan_lora
 from ..ops.msact import MSActivation
 from ..ops.norms import _QMSNorm, ms_norm
-from ..ops.pooled import PooledConv2d
+from ..ops.pooled_conv import PooledConv2d
 from ..ops.quantized import InputCodes, QConv2d, QLinear
 from ..ops.recompute import is_checkpoint_forward, plan_checkpoint
 from ..ops.rope import is_rotary_forward, plan_rotary
