@@ -227,7 +227,7 @@ def planned(model, preset: str, batches: list, setting: Setting):
     training batch's shape, calibrated on the first training batches."""
     from actdesign.runtime.apply import policy
     from actdesign.runtime.memory import planner
-    from actdesign.runtime.memory.estimate import fake_step
+    from actdesign.runtime.memory.steps import fake_step
 
     if isinstance(model, GPT):
         raise SystemExit("plan@ variants need a model computing its own loss: --arch llama")

@@ -43,8 +43,9 @@ from measure import table  # noqa: E402
 
 from actdesign.errors import ActdesignError  # noqa: E402
 from actdesign.runtime import compress, models  # noqa: E402
-from actdesign.runtime.memory.estimate import estimate, step  # noqa: E402
+from actdesign.runtime.memory.estimate import estimate  # noqa: E402
 from actdesign.runtime.memory.profile import PRECISIONS  # noqa: E402
+from actdesign.runtime.memory.steps import step  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "configs"
 NAMES = ["llama-3.1-8b", "qwen2.5-7b", "mistral-7b"]  # directories in CONFIGS

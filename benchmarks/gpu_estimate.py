@@ -10,7 +10,7 @@ warm-up step; then one step (forward, loss, backward; no optimizer step) is meas
 - on CUDA, the allocator's peak minus what was allocated before the step (weights, inputs),
   and the same with the gradients aside, as the estimate counts its peak: the step's
   allocator history replayed without the blocks that end up as the parameters' gradients;
-- on CPU, estimate.step's peak on the real tensors (the storages the step makes that are
+- on CPU, steps.step's peak on the real tensors (the storages the step makes that are
   alive at once, gradients aside), which torch's CPU allocator cannot tell;
 - the bytes saved for the backward, counted as `profile` counts them.
 The estimate runs the same model name, shape, precision, policy and checkpointing on fake
@@ -33,8 +33,10 @@ from measure import table  # noqa: E402
 
 from actdesign.errors import ActdesignError  # noqa: E402
 from actdesign.runtime import account, compress, models  # noqa: E402
-from actdesign.runtime.memory.estimate import _checkpointing, estimate, step  # noqa: E402
+from actdesign.runtime.memory.estimate import estimate  # noqa: E402
 from actdesign.runtime.memory.profile import PRECISIONS, forward_context  # noqa: E402
+from actdesign.runtime.memory.setups import with_checkpointing  # noqa: E402
+from actdesign.runtime.memory.steps import step  # noqa: E402
 
 SETUPS = ["none", "checkpointing", "llm", "llm+actnn2", "fewbit3+msnorm", "actnn2"]
 
@@ -51,7 +53,7 @@ def build(name, policy, checkpointing, device):
     if policy != "none":
         compress(model, policy)
     if checkpointing:  # after compress, as the estimate does
-        _checkpointing(name, model)
+        with_checkpointing(name, model)
     return model
 
 
@@ -115,7 +117,7 @@ def main():
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
-    where = torch.cuda.get_device_name(0) if cuda else "CPU (estimate.step on real tensors)"
+    where = torch.cuda.get_device_name(0) if cuda else "CPU (steps.step on real tensors)"
     print(f"{args.model}, {args.batch} x {args.seq}, {args.precision}, {where}, torch "
           f"{torch.__version__}: one training step measured against the estimate (MiB)",
           flush=True)

@@ -29,8 +29,9 @@ from measure import table  # noqa: E402
 
 from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.apply import policy as P  # noqa: E402
-from actdesign.runtime.memory.estimate import _with_lora, estimate  # noqa: E402
+from actdesign.runtime.memory.estimate import estimate  # noqa: E402
 from actdesign.runtime.memory.profile import forward_context  # noqa: E402
+from actdesign.runtime.memory.setups import with_lora  # noqa: E402
 
 CONFIG = str(Path(__file__).parent / "configs" / "llama-3.1-8b")
 PRECISION = "bf16-weights-autocast"
@@ -44,7 +45,7 @@ def build(name, policy, lora, device):
     """The config's model on `device`, random bf16 weights, LoRA as the estimate puts it,
     compressed by `policy`."""
     model, _ = models.build(name, device=device)
-    model = _with_lora(name, model.to(torch.bfloat16), lora).train()
+    model = with_lora(name, model.to(torch.bfloat16), lora).train()
     compress(model, policy)
     return model
 

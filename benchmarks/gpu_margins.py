@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.memory import cards
-from actdesign.runtime.memory.estimate import _checkpointing, estimate  # noqa: E402
+from actdesign.runtime.memory.estimate import estimate  # noqa: E402
 from actdesign.runtime.memory.profile import forward_context  # noqa: E402
+from actdesign.runtime.memory.setups import with_checkpointing  # noqa: E402
 
 SETUPS = {"eager": ("none", False), "llm": ("llm", False), "checkpointing": ("llm", True)}
 
@@ -43,7 +44,7 @@ def train_step(name, policy, checkpointing, batch, seq, repeats=2) -> tuple[int,
     if policy != "none":
         compress(model, policy)
     if checkpointing:
-        _checkpointing(name, model)
+        with_checkpointing(name, model)
     inputs = models.example_batch(model, batch, seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for i in range(1 + repeats):

@@ -10,14 +10,13 @@ The model has random float32 weights from a config (nothing downloaded); the pla
 copy per row (lossless `llm`, the plan) takes 2 warm-up and --repeats timed steps under bf16
 autocast with AdamW. Peak: the allocator's peak over the timed steps, less what was held
 before the first (weights, gradients, optimizer state), on CUDA; the activation peak of
-`estimate.step` on the CPU.
+`steps.step` on the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import statistics
 import sys
 import time
@@ -27,10 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from actdesign.runtime import compress, models
-from actdesign.runtime.memory import planner  # noqa: E402
-
-estimate = importlib.import_module("actdesign.runtime.memory.estimate")
+from actdesign.runtime import compress, models  # noqa: E402
+from actdesign.runtime.memory import planner, steps  # noqa: E402
 
 
 def build(name, device):
@@ -42,7 +39,7 @@ def run(model, policy, inputs, device, repeats):
     trial = copy.deepcopy(model)
     compress(trial, policy)
     if device == "cpu":
-        _, peak = estimate.step(trial, inputs, "bf16-autocast")
+        _, peak = steps.step(trial, inputs, "bf16-autocast")
         return peak, float("nan")
     optimizer = torch.optim.AdamW(trial.parameters(), lr=1e-5)
     times = []

@@ -38,7 +38,7 @@ from actdesign.designer import plan as solver  # noqa: E402
 from actdesign.errors import ActdesignError  # noqa: E402
 from actdesign.runtime import compress, models  # noqa: E402
 from actdesign.runtime.memory import cards, planner
-from actdesign.runtime.memory.estimate import step  # noqa: E402
+from actdesign.runtime.memory.steps import step  # noqa: E402
 
 MODELS = ["llama-tiny", "qwen2-tiny", "gpt2-tiny"]
 PRECISION = "bf16-autocast"

@@ -55,8 +55,9 @@ from measure import table  # noqa: E402
 from actdesign import launches as launch_log  # noqa: E402
 from actdesign.errors import ActdesignError  # noqa: E402
 from actdesign.runtime import compress, models  # noqa: E402
-from actdesign.runtime.memory.estimate import _checkpointing, fake_model, shapes_only  # noqa: E402
 from actdesign.runtime.memory.profile import PRECISIONS, bf16_weights, forward_context  # noqa: E402
+from actdesign.runtime.memory.setups import fake_model, with_checkpointing  # noqa: E402
+from actdesign.runtime.ops.fake import shapes_only  # noqa: E402
 from actdesign.runtime.ops.hooks import observer  # noqa: E402
 from actdesign.runtime.ops.targets import (
     ROTARY,
@@ -288,14 +289,14 @@ def build(setup: Setup, row: str, device: str = "cpu", fake: bool = False):
         if family not in LIGER or not device.startswith("cuda"):
             return None
         getattr(liger, LIGER[family])(model=model)
-        return _with_lora(model, setup)
+        return with_lora(model, setup)
     policy, checkpointing = split_row(row)
     if checkpointing:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            _checkpointing(setup.model, model)
+            with_checkpointing(setup.model, model)
     if not fake:  # (a fake model has its adapters already)
-        model = _with_lora(model, setup)
+        model = with_lora(model, setup)
     if policy != "none":
         compress(model, policy)  # after PEFT: the recommended order
     return model
@@ -309,7 +310,7 @@ def _lora_config(setup: Setup):
     return lora_config(setup.dropout, setup.lora)
 
 
-def _with_lora(model, setup: Setup):
+def with_lora(model, setup: Setup):
     if setup.lora is None:
         return model
     import peft

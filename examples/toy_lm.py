@@ -16,7 +16,7 @@ import torch
 
 from actdesign.errors import ActdesignError
 from actdesign.files import check_writable
-from actdesign.runtime.memory.estimate import step as measured_step
+from actdesign.runtime.memory.steps import step as measured_step
 
 # The openings of Charles Dickens, A Tale of Two Cities (1859), and Jane Austen, Pride and
 # Prejudice (1813), in the public domain.

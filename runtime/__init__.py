@@ -16,7 +16,8 @@ from .apply.policy import Policy
 from .apply.policy import load as load_policy
 from .calibration.bits import calibrate
 from .calibration.policy import calibrate_policy
-from .memory.estimate import Estimate, estimate
+from .memory.estimate import estimate
+from .memory.results import Estimate
 from .ops.cache import cache_dir, load, load_source
 from .ops.compressed import LeanLinear
 from .ops.lm_loss import fused_linear_cross_entropy

@@ -19,7 +19,8 @@ from torch import nn
 from actdesign.errors import ActdesignError
 from actdesign.runtime import account, compress, models
 from actdesign.runtime.apply import policy as P
-from actdesign.runtime.memory.estimate import estimate, step
+from actdesign.runtime.memory.estimate import estimate
+from actdesign.runtime.memory.steps import step
 from actdesign.runtime.ops.recompute import is_checkpoint_forward
 from actdesign.runtime.ops.targets import target_of
 

@@ -12,9 +12,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from actdesign import runtime
 from actdesign.errors import ActdesignError
+from actdesign.options import parse_size
 from actdesign.runtime import models
 from actdesign.runtime.memory import profile as profile_mod
-from actdesign.runtime.memory.estimate import _checkpointing, estimate, parse_size, step
+from actdesign.runtime.memory.estimate import estimate
+from actdesign.runtime.memory.setups import with_checkpointing
+from actdesign.runtime.memory.steps import step
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import run_cli as run  # noqa: E402
@@ -27,7 +30,7 @@ def measured(name, batch, seq, precision, checkpointing):
     if profile_mod.bf16_weights(precision):
         model.to(torch.bfloat16)  # the inputs are token ids: nothing else to cast
     if checkpointing:
-        _checkpointing(name, model)
+        with_checkpointing(name, model)
     inputs = models.example_batch(model, batch, seq)
     run = profile_mod._measure(model, inputs, "cpu", precision, 1, 0, lambda message: None)
     return run
@@ -99,7 +102,7 @@ def test_peak_matches_the_real_step(name, precision, checkpointing):
     model, _ = models.build(name)
     model.train()
     if checkpointing:
-        _checkpointing(name, model)
+        with_checkpointing(name, model)
     _, peak = step(model, models.example_batch(model, 3, 40), precision)
     assert row.peak_bytes == peak
 

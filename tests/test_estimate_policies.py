@@ -9,8 +9,10 @@ import torch
 from lms import MOE, NAMES, architecture
 
 from actdesign.runtime import compress, models
-from actdesign.runtime.memory.estimate import _checkpointing, _with_lora, estimate, step
+from actdesign.runtime.memory.estimate import estimate
 from actdesign.runtime.memory.profile import _to
+from actdesign.runtime.memory.setups import with_checkpointing, with_lora
+from actdesign.runtime.memory.steps import step
 
 POLICIES = ["none", "llm", "fewbit3+msnorm", "llm+actnn2", "actnn2"]
 SHAPES = [(2, 16), (3, 40)]
@@ -23,7 +25,7 @@ def real_step(name, model, policy, batch, seq, precision, checkpointing, lora=No
     if precision == "bf16":
         model.to(torch.bfloat16)
     if lora is not None:
-        model = _with_lora(name, model, lora)
+        model = with_lora(name, model, lora)
     small = models.example_batch(model, 2, min(seq, 8))
     inputs = models.example_batch(model, batch, seq)
     if precision == "bf16":
@@ -31,7 +33,7 @@ def real_step(name, model, policy, batch, seq, precision, checkpointing, lora=No
     if policy != "none":
         compress(model, policy, example_inputs=small)
     if checkpointing:
-        _checkpointing(name, model)
+        with_checkpointing(name, model)
     step(model, inputs, precision)  # once before: the ops build their lookup tables lazily
     model.zero_grad(set_to_none=True)
     saved, peak = step(model, inputs, precision)

@@ -3,7 +3,8 @@
 - ops: what runs inside a training step;
 - models: the built-in models, configs and the batch forms;
 - apply: a policy applied to a model (policy, trace, compress, accounting);
-- memory: reasoning about a whole step (estimate, profile, calibration, the planner).
+- calibration: gradient statistics and per-layer tables on the user's batches;
+- memory: reasoning about a whole step (estimate, profile, the planner).
 
 An import stays on its floor or goes down, never up; the graph of imports between runtime's
 modules, those made inside functions included, has no cycle; and the names users import from
@@ -100,7 +101,7 @@ PUBLIC = {
     "compress": "apply.compress", "Report": "apply.compress", "Policy": "apply.policy",
     "load_policy": "apply.policy", "account": "apply.accounting",
     "SavedBytes": "apply.accounting", "estimate": "memory.estimate",
-    "Estimate": "memory.estimate", "calibrate": "calibration.bits",
+    "Estimate": "memory.results", "calibrate": "calibration.bits",
     "calibrate_policy": "calibration.policy", "load": "ops.cache",
     "load_source": "ops.cache", "cache_dir": "ops.cache", "LeanLinear": "ops.compressed",
     "fused_linear_cross_entropy": "ops.lm_loss", "MSLayerNorm": "ops.norms",

@@ -15,7 +15,7 @@ import torch
 from actdesign.errors import ActdesignError
 from actdesign.runtime import compress, estimate, models
 from actdesign.runtime.apply import policy as P
-from actdesign.runtime.memory.estimate import step
+from actdesign.runtime.memory.steps import step
 from actdesign.runtime.ops import offload
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -21,7 +21,7 @@ from actdesign.runtime.memory import cards, planner
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import run_cli  # noqa: E402
 
-estimate = importlib.import_module("actdesign.runtime.memory.estimate")
+steps = importlib.import_module("actdesign.runtime.memory.steps")
 pytest.importorskip("transformers")
 
 PRECISION = "bf16-autocast"
@@ -72,9 +72,9 @@ def real_step(model, example, policy):
     the steady state: after one step has made the ops' look-up tables, made once per process."""
     trial = copy.deepcopy(model)
     compress(trial, policy)
-    estimate.step(trial, example, PRECISION)
+    steps.step(trial, example, PRECISION)
     trial.zero_grad(set_to_none=True)  # as the optimizer leaves it
-    saved, peak = estimate.step(trial, example, PRECISION)
+    saved, peak = steps.step(trial, example, PRECISION)
     return saved.total, peak
 
 
@@ -233,7 +233,7 @@ def test_plan_writes_a_policy_compress_applies(tmp_path, capsys):
     assert png.read_bytes().startswith(b"\x89PNG")
     model, _ = models.build("llama-tiny")
     compress(model, str(out))
-    saved, _ = estimate.step(model, models.example_batch(model, 2, 64), PRECISION)
+    saved, _ = steps.step(model, models.example_batch(model, 2, 64), PRECISION)
     # the CLI prices the CUDA kernels' peak (a real CPU step's differs); the bytes are exact
     assert saved.total == data["predicted_saved_bytes"]
     assert data["predicted_peak_bytes"] <= data["budget_bytes"]

@@ -10,10 +10,12 @@ stay real stays real: host-side bookkeeping (bit layouts, seeds) runs
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def is_fake(t) -> bool:
@@ -44,3 +46,115 @@ def real_copy(*modules):
                     real = torch.nn.Parameter(real, t.requires_grad)
                 memo[id(t)] = real
     return copy.deepcopy(modules, memo)
+
+
+class ShapesOnly(FakeTensorMode):
+    """Fake tensors that tell our ops which kernels' allocations to follow."""
+
+    def __init__(self, kernels):
+        super().__init__()
+        self.cpu_kernels = kernels == "cpu"
+
+
+@contextlib.contextmanager
+def shapes_only(kernels: str = "cuda"):
+    """Fake tensors for a shape-only step, following `kernels`' allocations for our ops (see
+    `estimate`): build the model inside (`fake_model`, `fake_copy`) and run its step
+    inside. Yields the fake mode."""
+    with ShapesOnly(kernels) as mode, CpuKernels(), unpacked_sequences():
+        yield mode
+
+
+class CpuKernels(TorchDispatchMode):
+    """Fake kernels made to give what torch's CPU kernels give, where they differ."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float32:
+            # MoE experts: the CPU kernel takes float32, the fake one bfloat16 only
+            a, b, *rest = args
+            return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).float()
+        out = func(*args, **kwargs)
+        norm = _NORMS.get(func)
+        if norm is not None and _mixed(args, norm):
+            # the kernels make mean and rstd in float32 for a bfloat16 input with float32
+            # weights (autocast), the fake kernels in the input's dtype
+            out = (out[0], out[1].float(), out[2].float())
+        return out
+
+
+# the norms whose statistics the kernels keep in float32, and where their weight argument is
+_NORMS = {torch.ops.aten.native_layer_norm.default: 2, torch.ops.aten.native_batch_norm.default: 1}
+
+
+def _mixed(args, weight_at) -> bool:
+    x, weight = args[0], args[weight_at] if len(args) > weight_at else None
+    return weight is not None and weight.dtype == torch.float32 != x.dtype
+
+
+@contextlib.contextmanager
+def no_initialization():
+    """transformers' weight initialization skipped (fake tensors have no values to set, and
+    some initializations read them); the weights are still tied."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        yield
+        return
+    real = PreTrainedModel.__dict__.get("initialize_weights")
+    if real is None:
+        yield
+        return
+    PreTrainedModel.initialize_weights = lambda self: None
+    try:
+        yield
+    finally:
+        PreTrainedModel.initialize_weights = real
+
+
+@contextlib.contextmanager
+def unpacked_sequences():
+    """transformers cannot read fake position ids, so takes each row for several packed
+    sequences and builds the full attention mask that a real batch skips (SDPA's is_causal
+    instead): a mask the real step never saves. The batches here hold one sequence a row."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    real = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if real is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = real
+
+
+@contextlib.contextmanager
+def conversions_in_place():
+    """Module.to, .float() and the like working on fake tensors, whose parameters torch's
+    own conversion cannot swap: each tensor replaced by its converted copy in every module
+    holding it (tied ones by one copy), as a parameter where it was one."""
+    def apply(self, fn, recurse=True):
+        copies = {}
+        for module in self.modules() if recurse else (self,):
+            for store in (module._parameters, module._buffers):
+                for key, t in store.items():
+                    if t is not None and id(t) not in copies:
+                        new = fn(t)
+                        if isinstance(t, torch.nn.Parameter) and new is not t:
+                            new = torch.nn.Parameter(new, t.requires_grad)
+                        copies[id(t)] = new
+                    if t is not None:
+                        store[key] = copies[id(t)]
+        return self
+
+    real = torch.nn.Module._apply
+    torch.nn.Module._apply = apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = real

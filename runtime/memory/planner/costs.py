@@ -147,7 +147,7 @@ class ShapeSteps:
     def run(self, rules, flops=False, label="plan", windows=()) -> ShapeStep:
         from torch.utils.flop_counter import FlopCounterMode
 
-        from ..estimate import fake_step
+        from ..steps import fake_step
 
         self.count += 1
         policy = rules if isinstance(rules, policy_mod.Policy) else policy_mod.validate(
