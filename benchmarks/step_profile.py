@@ -59,7 +59,7 @@ from actdesign.runtime.memory.profile import PRECISIONS, bf16_weights, forward_c
 from actdesign.runtime.memory.setups import fake_model, with_checkpointing  # noqa: E402
 from actdesign.runtime.ops.fake import shapes_only  # noqa: E402
 from actdesign.runtime.ops.hooks import observer  # noqa: E402
-from actdesign.runtime.ops.targets import (
+from actdesign.runtime.ops.known_modules import (
     ROTARY,
     is_activation,
     is_gated_mlp,

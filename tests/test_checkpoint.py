@@ -21,8 +21,8 @@ from actdesign.runtime import account, compress, models
 from actdesign.runtime.apply import policy as P
 from actdesign.runtime.memory.estimate import estimate
 from actdesign.runtime.memory.steps import step
+from actdesign.runtime.methods.targets import target_of
 from actdesign.runtime.ops.recompute import is_checkpoint_forward
-from actdesign.runtime.ops.targets import target_of
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import run_cli  # noqa: E402

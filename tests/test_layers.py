@@ -2,6 +2,7 @@
 
 - ops: what runs inside a training step;
 - models: the built-in models, configs and the batch forms;
+- methods: the compression methods, what they target, and their registry;
 - apply: a policy applied to a model (policy, trace, compress, accounting);
 - calibration: gradient statistics and per-layer tables on the user's batches;
 - memory: reasoning about a whole step (estimate, profile, the planner).
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
-FLOORS = ("ops", "models", "apply", "calibration", "memory")  # bottom to top
+FLOORS = ("ops", "models", "methods", "apply", "calibration", "memory")  # bottom to top
 
 
 def module_name(path: Path) -> str:

@@ -31,11 +31,13 @@ from actdesign.designer.allocate import load_bits
 from actdesign.errors import ActdesignError
 
 from .. import models
+from ..methods.targets import peft_refusal, target_of
 from ..ops.cache import load
 from ..ops.compressed import LeanLinear
 from ..ops.draws import forked_rng
 from ..ops.edits import Edit, apply_all, undo_all
 from ..ops.glu import MSGLU
+from ..ops.known_modules import activation_name, has_builtin, is_lora_linear
 from ..ops.lm_loss import FusedLossHead, plan_fused_loss
 from ..ops.lora import LeanLoRA, plan_lora
 from ..ops.msact import MSActivation
@@ -46,7 +48,6 @@ from ..ops.recompute import is_checkpoint_forward, plan_checkpoint
 from ..ops.rope import is_rotary_forward, plan_rotary
 from ..ops.sparse import SparseConv2d, SparseLinear
 from ..ops.tables import table
-from ..ops.targets import activation_name, has_builtin, is_lora_linear, peft_refusal, target_of
 from . import policy as policy_mod
 from .accounting import SavedBytes, account
 from .trace import inputs_kept_elsewhere, norm_consumers

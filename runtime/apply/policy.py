@@ -45,8 +45,9 @@ from pathlib import Path
 from actdesign.errors import ActdesignError
 from actdesign.files import read_json, write_atomic
 
+from ..methods.targets import TARGETS
+
 FORMAT = "actdesign.policy/1"
-TARGETS = ("activation", "norm", "linear", "conv2d", "glu", "attention", "head", "block")
 # apply -> (targets it applies to, {option: default})
 METHODS = {
     "keep": (TARGETS, {}),

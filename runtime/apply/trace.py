@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..ops.hooks import observer
-from ..ops.targets import linear_like
+from ..ops.known_modules import linear_like
 from .accounting import storage_key
 
 # Calls that read only metadata.

@@ -23,8 +23,8 @@ from actdesign.errors import ActdesignError
 from ..apply import policy as policy_mod
 from ..apply.compress import compress, match
 from ..models import batches as batch_forms
+from ..ops.known_modules import activation_name
 from ..ops.tables import table
-from ..ops.targets import activation_name
 from .bits import calibrate
 
 

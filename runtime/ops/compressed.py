@@ -21,8 +21,8 @@ from torch import nn
 
 from actdesign.errors import ActdesignError
 
+from .known_modules import is_hf_conv1d
 from .sharing import keep, restore
-from .targets import is_hf_conv1d
 
 
 def compressed_call(layer, x, weight, bias):

@@ -38,9 +38,9 @@ from .compressed import LeanLinear, autocast_casts, autocast_off
 from .draws import same_draws
 from .fake import any_fake, on_host, real_copy
 from .hooks import hooked
+from .known_modules import activation_name, is_gated_mlp, is_lora_linear
 from .quantized import QLinear, _QuantizedInput
 from .sharing import offer
-from .targets import activation_name, is_gated_mlp, is_lora_linear
 from .tiles import tile_rows, tiled
 
 ACTIVATIONS = ("silu", "gelu_tanh")

@@ -43,8 +43,8 @@ from .compressed import LeanLinear, autocast_casts, autocast_off
 from .draws import same_draws
 from .edits import BoundMethod, Edit, apply_all
 from .fake import is_fake
+from .known_modules import is_causal_lm
 from .sharing import kept_for, rebuild
-from .targets import is_causal_lm
 
 # A chunk's logits hold at least this many values: its four products then take far longer on
 # a GPU than launching its seven kernels does.

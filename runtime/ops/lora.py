@@ -35,8 +35,8 @@ from .compressed import LeanLinear, autocast_off, compressed_call
 from .draws import replayed_rng, rng_state
 from .edits import Edit
 from .hooks import hooked
+from .known_modules import is_hf_conv1d
 from .sharing import keep, restore
-from .targets import is_hf_conv1d
 
 
 class LeanLoRA:

@@ -43,8 +43,8 @@ from actdesign.errors import ActdesignError
 from .cache import generated
 from .edits import BoundMethod, Edit
 from .fake import on_host
-from .targets import ROTARY as NAME
-from .targets import rotary_function_of
+from .known_modules import ROTARY as NAME
+from .known_modules import rotary_function_of
 
 # (class forward, its rotation) -> the copy of the forward that calls ours, one for every
 # attached instance. torch.compile then sees one function with one globals dict: its guards

@@ -13,9 +13,10 @@ from torch import nn
 from ... import models
 from ...apply import policy as policy_mod
 from ...apply.compress import match
+from ...methods.targets import target_of
 from ...ops.draws import forked_rng
+from ...ops.known_modules import activation_name
 from ...ops.sharing import whole
-from ...ops.targets import activation_name, target_of
 
 LOSSLESS = "llm"
 # site kind -> its options after `keep`, as (method, options)

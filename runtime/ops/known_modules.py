@@ -1,8 +1,9 @@
-"""What kind of module is this, for a policy: an activation (and which), a norm, a linear
-layer or a 2-D convolution. Classes are matched exactly, so a subclass that changes the
-forward is never mistaken for its parent; `transformers` classes are matched by name and
-module, so transformers need not be installed. Other libraries' norms and transformers'
-activations are targets by their class names: what they compute is checked when they are
+"""The modules the ops know, by class: which built-in activation a module computes, and
+which are norms, gated MLPs, transformers' Conv1D and causal LMs, PEFT's LoRA layers and
+attention calling a rotary embedding. Classes are matched exactly, so a subclass that changes
+the forward is never mistaken for its parent; `transformers` and `peft` classes are matched by
+name and module, so neither need be installed. Other libraries' norms and transformers'
+activations are known by their class names: what they compute is checked when they are
 replaced, and the report says why where nothing we have computes it.
 """
 
@@ -115,9 +116,7 @@ def _projection(m) -> bool:
     return type(m) is nn.Linear or is_lora_linear(m)
 
 
-# --- PEFT: classes matched by name and module, so peft need not be installed ---------------
-
-def _is_peft(m: nn.Module, class_name: str) -> bool:
+def is_peft(m: nn.Module, class_name: str) -> bool:
     """Whether m is an instance of PEFT's class of that name."""
     return any(cls.__name__ == class_name and cls.__module__.startswith("peft.")
                for cls in type(m).__mro__)
@@ -134,26 +133,6 @@ def is_lora_linear(m: nn.Module) -> bool:
     variant (DoRA and the like) on any adapter."""
     return (type(m).__module__, type(m).__name__) in LORA_LINEARS \
         and not getattr(m, "lora_variant", None) and not any(getattr(m, "use_dora", {}).values())
-
-
-def peft_refusal(m: nn.Module) -> str | None:
-    """Why compress leaves a PEFT layer (and what it holds) as it is, or None when it is not
-    one, or is a LoRA layer compress supports."""
-    if is_lora_linear(m):
-        return None
-    if _is_peft(m, "AuxiliaryTrainingWrapper"):
-        return ("PEFT trains a copy of it (modules_to_save or trainable tokens) and its "
-                "wrapper picks which copy runs: left as it is")
-    if not _is_peft(m, "BaseTunerLayer"):
-        return None
-    if type(m).__module__.startswith("peft.tuners.lora"):
-        if (type(m).__module__, type(m).__name__) in LORA_LINEARS:
-            return ("a LoRA variant (DoRA or another) computes more than base(x) + s·B(A(x)): "
-                    "PEFT's own forward runs")
-        return (f"LoRA on {type(m).__name__} layers (only Linear layers take the lean LoRA "
-                "path): PEFT's own forward runs")
-    return (f"a PEFT {type(m).__module__.split('.')[2]} adapter layer (only LoRA is "
-            "supported): PEFT's own forward runs")
 
 
 def is_causal_lm(m: nn.Module) -> bool:
@@ -181,41 +160,6 @@ def is_rotary_attention(m: nn.Module) -> bool:
     modeling file's apply_rotary_pos_emb (and whose forward is still its class's)."""
     return _from_transformers(m) and "forward" not in m.__dict__ \
         and rotary_function_of(m) is not None
-
-
-def target_of(m: nn.Module, parent: nn.Module | None = None) -> str | None:
-    """'activation', 'norm', 'linear' (a PEFT LoRA layer too), 'conv2d', 'glu', 'attention'
-    (rotary), 'head' (a causal LM, whose loss and head are one), 'block' (see `is_block`;
-    `parent` holds m), or None for a module no policy touches."""
-    if is_causal_lm(m):
-        return "head"
-    if is_gated_mlp(m):
-        return "glu"
-    if is_rotary_attention(m):
-        return "attention"
-    if type(m) is nn.Linear or is_hf_conv1d(m) or is_lora_linear(m):
-        return "linear"
-    if type(m) is nn.Conv2d:
-        return "conv2d"
-    if is_norm(m):
-        return "norm"
-    if is_activation(m):
-        return "activation"
-    if is_block(m, parent):  # last: a module of another kind keeps that kind
-        return "block"
-    return None
-
-
-def is_block(m: nn.Module, parent: nn.Module | None) -> bool:
-    """A unit of recomputation: an element of an nn.ModuleList (a transformer's layers), or an
-    element of an nn.Sequential with parameters and submodules of its own (a CNN's stages);
-    one that has a forward (a list in a list has none)."""
-    if type(m).forward is nn.Module.forward:
-        return False
-    if isinstance(parent, nn.ModuleList):
-        return True
-    return isinstance(parent, nn.Sequential) and next(m.children(), None) is not None \
-        and next(m.parameters(), None) is not None
 
 
 def linear_like(m: nn.Module) -> bool:
