@@ -32,7 +32,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import table  # noqa: E402
 
-from actdesign.runtime.ops.lm_loss import attach_fused_loss, fused_linear_cross_entropy  # noqa: E402
+from actdesign.runtime.methods.fused_ce import attach_fused_loss  # noqa: E402
+from actdesign.runtime.ops.lm_loss import fused_linear_cross_entropy  # noqa: E402
 
 LOSSES = (10.0, 1.0, 0.1, 0.01)
 OFFSETS = (0.0, 30.0, 100.0)

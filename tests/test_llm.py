@@ -14,13 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime import LeanLinear, MSRMSNorm, account, compress, models
+from actdesign.runtime.methods.fused_ce import attach_fused_loss
 from actdesign.runtime.ops.glu import MSGLU, glu_ops
-from actdesign.runtime.ops.lm_loss import (
-    FusedLossHead,
-    attach_fused_loss,
-    fused_linear_cross_entropy,
-    loss_ops,
-)
+from actdesign.runtime.ops.lm_loss import FusedLossHead, fused_linear_cross_entropy, loss_ops
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))

@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actdesign.runtime.ops.lm_loss import attach_fused_loss, fused_linear_cross_entropy
+from actdesign.runtime.methods.fused_ce import attach_fused_loss
+from actdesign.runtime.ops.lm_loss import fused_linear_cross_entropy
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))

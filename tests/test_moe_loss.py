@@ -11,7 +11,8 @@ import torch
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime import compress, models
-from actdesign.runtime.ops.lm_loss import FusedLossHead, attach_fused_loss
+from actdesign.runtime.methods.fused_ce import attach_fused_loss
+from actdesign.runtime.ops.lm_loss import FusedLossHead
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))

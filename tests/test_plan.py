@@ -11,7 +11,9 @@ from torch import nn
 
 from actdesign.runtime import compress, models
 from actdesign.runtime.apply import policy
-from actdesign.runtime.ops import edits, glu, lm_loss, norms, rope
+from actdesign.runtime.methods import edits, fused_ce
+from actdesign.runtime.methods import rope as rope_method
+from actdesign.runtime.ops import glu, norms
 
 compress_module = importlib.import_module("actdesign.runtime.apply.compress")
 
@@ -25,8 +27,8 @@ RECOMPUTED = {"rules": [*policy.load("llm+actnn2").to_dict()["rules"],
 APPLIED = CASES + [("llama-tiny+lora", "llm+actnn2"), ("llama-tiny", RECOMPUTED)]
 # Every function that runs the model, a part of it or a module's code on a probe.
 PROBES = [(compress_module, "account"), (compress_module, "inputs_kept_elsewhere"),
-          (compress_module, "norm_consumers"), (models, "call"), (lm_loss, "_probe_losses"),
-          (glu, "_check_probe"), (norms, "_probe_formula"), (rope, "_probe")]
+          (compress_module, "norm_consumers"), (models, "call"), (fused_ce, "probe_losses"),
+          (glu, "_check_probe"), (norms, "_probe_formula"), (rope_method, "is_standard")]
 
 
 class Injected(RuntimeError):

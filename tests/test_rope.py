@@ -10,8 +10,9 @@ import torch
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime import compress, models
+from actdesign.runtime.methods.rope import attach_rotary
 from actdesign.runtime.methods.targets import target_of
-from actdesign.runtime.ops.rope import _reference, attach_rotary, rotary
+from actdesign.runtime.ops.rope import _reference, rotary
 
 rope_mod = importlib.import_module("actdesign.runtime.ops.rope")
 

@@ -31,21 +31,25 @@ from actdesign.designer.allocate import load_bits
 from actdesign.errors import ActdesignError
 
 from .. import models
+from ..methods.checkpoint import plan_checkpoint
+from ..methods.edits import Edit, apply_all, undo_all
+from ..methods.fused_ce import plan_fused_loss
+from ..methods.lora import plan_lora
+from ..methods.rope import plan_rotary
 from ..methods.targets import peft_refusal, target_of
 from ..ops.cache import load
 from ..ops.compressed import LeanLinear
 from ..ops.draws import forked_rng
-from ..ops.edits import Edit, apply_all, undo_all
 from ..ops.glu import MSGLU
 from ..ops.known_modules import activation_name, has_builtin, is_lora_linear
-from ..ops.lm_loss import FusedLossHead, plan_fused_loss
-from ..ops.lora import LeanLoRA, plan_lora
+from ..ops.lm_loss import FusedLossHead
+from ..ops.lora import LeanLoRA
 from ..ops.msact import MSActivation
 from ..ops.norms import _QMSNorm, ms_norm
 from ..ops.pooled_conv import PooledConv2d
 from ..ops.quantized import InputCodes, QConv2d, QLinear
-from ..ops.recompute import is_checkpoint_forward, plan_checkpoint
-from ..ops.rope import is_rotary_forward, plan_rotary
+from ..ops.recompute import is_checkpoint_forward
+from ..ops.rope import is_rotary_forward
 from ..ops.sparse import SparseConv2d, SparseLinear
 from ..ops.tables import table
 from . import policy as policy_mod

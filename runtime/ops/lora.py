@@ -33,9 +33,7 @@ from torch import nn
 
 from .compressed import LeanLinear, autocast_off, compressed_call
 from .draws import replayed_rng, rng_state
-from .edits import Edit
 from .hooks import hooked
-from .known_modules import is_hf_conv1d
 from .sharing import keep, restore
 
 
@@ -93,18 +91,6 @@ def _plain(layer) -> str | None:
         and (type(drop) is nn.Identity or (type(drop) is nn.Dropout and not drop.inplace
                                            and drop.p < 1 and not hooked(drop)))
     return name if plain else None
-
-
-def plan_lora(layer: nn.Module, keeper=LeanLinear) -> list[Edit]:
-    """The edits giving a PEFT LoRA layer (`targets.is_lora_linear`) the lean forward: its
-    base layer, when an nn.Linear or a transformers Conv1D, becomes a LeanLinear holding the
-    same parameters (frozen, it keeps nothing); any other base (a quantized one) stays and is
-    called as it is. Nothing is changed here."""
-    edits = []
-    base = layer.base_layer
-    if type(base) is nn.Linear or is_hf_conv1d(base):
-        edits.append(Edit(layer, "base_layer", LeanLinear.from_module(base)))
-    return edits + [Edit(layer, "forward", LeanLoRA(layer, keeper))]
 
 
 def _dropout(x, p):

@@ -30,9 +30,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from actdesign.errors import ActdesignError
-
-from .edits import BoundMethod, Edit
 from .offload import offloaded
 
 # (class forward, offload) -> the forward that checkpoints it: its identity tells ours
@@ -41,20 +38,8 @@ _FORWARDS = {}
 _CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def plan_checkpoint(block: nn.Module, offload: bool = False) -> Edit:
-    """The edit that makes `block` recompute its forward in the backward, its inputs kept in
-    host memory with `offload` (nothing is changed here). Refused where transformers
-    checkpoints it already, or where its forward is already replaced on the instance."""
-    if getattr(block, "gradient_checkpointing", False) is True:
-        raise ActdesignError("transformers checkpoints it already (gradient checkpointing is "
-                             "on): turn that off to name the layers recomputed")
-    if "forward" in block.__dict__:
-        raise ActdesignError("its forward is already replaced on the instance")
-    return Edit(block, "forward", BoundMethod(block, recomputed_forward, type(block), offload))
-
-
 def is_checkpoint_forward(forward) -> bool:
-    """Whether an instance's forward is one `plan_checkpoint` made."""
+    """Whether an instance's forward is one `methods.checkpoint.plan_checkpoint` made."""
     return getattr(forward, "__func__", None) in _FORWARDS.values()
 
 

@@ -22,7 +22,7 @@ adjoint, from cos and sin:
 Elsewhere (CPU, other dtypes, other shapes, torch.compile, which fuses the eager ops itself)
 it runs eager's own ops, and an attached module its model's own function.
 
-`attach_rotary(attention)` makes one attention module use it, generically: the module's
+`methods.rope.attach_rotary(attention)` makes one attention module use it, generically: the module's
 forward must call `apply_rotary_pos_emb` from its modeling file, and that function must compute
 the standard rotation (checked on a probe, bit for bit). The module gets its own copy of the
 forward (and of the decorators around it) whose global `apply_rotary_pos_emb` is ours; the
@@ -41,10 +41,8 @@ from actdesign.codegen.render import render_rope
 from actdesign.errors import ActdesignError
 
 from .cache import generated
-from .edits import BoundMethod, Edit
 from .fake import on_host
 from .known_modules import ROTARY as NAME
-from .known_modules import rotary_function_of
 
 # (class forward, its rotation) -> the copy of the forward that calls ours, one for every
 # attached instance. torch.compile then sees one function with one globals dict: its guards
@@ -163,7 +161,7 @@ def _plain(original):
     return original
 
 
-def _probe(original) -> bool:
+def is_standard(original) -> bool:
     """Whether the original computes the standard rotation: the same values as ours, bit for
     bit, on random float32 inputs (real ones, also in a shape-only run)."""
     with on_host():
@@ -220,24 +218,7 @@ def _contents(cell):
         return None
 
 
-def plan_rotary(attention: nn.Module) -> Edit:
-    """The edit that makes this attention module rotate q and k with `rotary` (nothing is
-    changed here). Refused when its forward does not call a standard apply_rotary_pos_emb."""
-    original = rotary_function_of(attention)
-    if original is None:
-        raise ActdesignError(f"its forward does not call {NAME} from its modeling file")
-    if not _probe(original):
-        raise ActdesignError(f"its {NAME} is not the standard rotation (rotate_half of the "
-                             "two halves), checked on a probe")
-    if "forward" in attention.__dict__:
-        raise ActdesignError("its forward is already replaced on the instance")
-    # A method bound to the instance: the class forward's signature and docstring; a deep
-    # copy of the model binds the copy, and a pickled one makes the forward again.
-    return Edit(attention, "forward", BoundMethod(attention, _rotary_forward, type(attention),
-                                                  original))
-
-
-def _rotary_forward(cls, original):
+def rotary_forward(cls, original):
     """The copy of cls.forward that calls our rotation in place of `original`."""
     key = (cls.forward, original)
     if key not in _FORWARDS:
@@ -245,11 +226,6 @@ def _rotary_forward(cls, original):
     return _FORWARDS[key]
 
 
-def attach_rotary(attention: nn.Module) -> None:
-    """Make this attention module rotate q and k with `rotary` (see `plan_rotary`)."""
-    plan_rotary(attention).apply()
-
-
 def is_rotary_forward(forward) -> bool:
-    """Whether an instance's forward is one `plan_rotary` made."""
+    """Whether an instance's forward is one `methods.rope.plan_rotary` made."""
     return getattr(forward, "__func__", None) in _FORWARDS.values()
