@@ -37,6 +37,7 @@ from actdesign import runtime, spec  # noqa: E402
 from actdesign.designer import fit_stepwise  # noqa: E402
 from actdesign.runtime import compress, models
 from actdesign.runtime.memory import planner  # noqa: E402
+from actdesign.runtime.methods import option_label  # noqa: E402
 from actdesign.runtime.ops.quantized import QLinear  # noqa: E402
 from actdesign.runtime.ops.sparse import SparseLinear  # noqa: E402
 from actdesign.runtime.ops.tables import table  # noqa: E402
@@ -78,7 +79,7 @@ def step_rate(name, batch, seq, device, repeats) -> float:
 
 
 def option_costs(device, repeats, n=2**24, width=4096) -> dict:
-    """{option label: added seconds per byte of bf16 input}, for every option planner.OPTIONS
+    """{option label: added seconds per byte of bf16 input}, for every option planner.options
     offers that this run measures."""
     measure = timer(device)
     x = torch.randn(n // width, width, device=device, dtype=torch.bfloat16)
@@ -92,20 +93,20 @@ def option_costs(device, repeats, n=2**24, width=4096) -> dict:
             lambda: torch.autograd.grad(y, act, g, retain_graph=True), repeats)
 
     eager = fwd_bwd(F.gelu)
-    for method, options in planner.OPTIONS["activation"]:
+    for method, options in planner.options("activation"):
         bits = options["bits"]
         fitted = spec.from_fit(fit_stepwise("gelu", bits)) if method == "fewbit" \
             else table("pwl", "gelu", bits)
         ops = runtime.load(fitted)
-        out[planner.option_label(method, options)] = (fwd_bwd(ops.apply) - eager) / x.nbytes
+        out[option_label(method, options)] = (fwd_bwd(ops.apply) - eager) / x.nbytes
     linear = torch.nn.Linear(width, width, bias=False, device=device)
-    for method, options in planner.OPTIONS["linear"]:
+    for method, options in planner.options("linear"):
         layer = (QLinear if method == "actnn" else SparseLinear).from_module(
             copy.deepcopy(linear), **options)
         saved = layer.compress(x)
         seconds = measure(lambda layer=layer: layer.compress(x), repeats) + measure(
             lambda layer=layer, saved=saved: layer.restore(saved, x.shape, x.dtype), repeats)
-        out[planner.option_label(method, options)] = seconds / x.nbytes
+        out[option_label(method, options)] = seconds / x.nbytes
     return out
 
 

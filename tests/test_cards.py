@@ -89,6 +89,7 @@ def test_the_gpu_stage_writes_what_the_planner_reads(tmp_path, monkeypatch):
     import gpu_costs
 
     from actdesign.runtime.memory import planner
+    from actdesign.runtime.methods import option_label
 
     measured = gpu_costs.measure_card("llama-tiny", 1, 16, "cpu", repeats=1, n=2**12,
                                       width=256, copied=2**12)
@@ -96,8 +97,8 @@ def test_the_gpu_stage_writes_what_the_planner_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(cards, "CARDS", tmp_path)
     card = cards.card("h200")
     assert card.measured and card.flops_per_s > 0 and card.bytes_per_s > 0
-    labels = {planner.option_label(m, o) for kind in ("activation", "linear")
-              for m, o in planner.OPTIONS[kind]}
+    labels = {option_label(m, o) for kind in ("activation", "linear")
+              for m, o in planner.options(kind)}
     assert set(card.option_s_per_byte) == labels
 
 

@@ -17,6 +17,7 @@ from actdesign.designer import plan as solver
 from actdesign.runtime import compress, models
 from actdesign.runtime.apply import policy as policy_mod
 from actdesign.runtime.memory import cards, planner
+from actdesign.runtime.methods import METHODS
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import run_cli  # noqa: E402
@@ -141,10 +142,10 @@ def test_the_smallest_budget_is_the_least_exact_peak_of_every_plan(monkeypatch):
     """Brute force on a tiny MLP (two Linear layers around a GELU; two options a site, three
     sites): every plan within the time limit priced by its own shape-only step. The smallest
     budget plan names is the least of their exact peaks, and plan meets it."""
-    monkeypatch.setitem(planner.OPTIONS, "activation", [("fewbit", {"bits": 1}),
-                                                        ("fewbit", {"bits": 3})])
-    monkeypatch.setitem(planner.OPTIONS, "linear", [("actnn", {"bits": 2}),
-                                                    ("actnn", {"bits": 8})])
+    for method in METHODS.values():  # two options a site: fewbit1 and 3, actnn2 and 8
+        monkeypatch.setattr(method, "offers", {})
+    monkeypatch.setattr(METHODS["fewbit"], "offers", {"activation": ({"bits": 1}, {"bits": 3})})
+    monkeypatch.setattr(METHODS["actnn"], "offers", {"linear": ({"bits": 2}, {"bits": 8})})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8)).train()
     batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]

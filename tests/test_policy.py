@@ -7,6 +7,7 @@ import pytest
 
 from actdesign.errors import ActdesignError
 from actdesign.runtime.apply import policy as P
+from actdesign.runtime.methods.fewbit import table_name
 
 
 @pytest.mark.parametrize("name", list(P.PRESETS))
@@ -62,13 +63,13 @@ def test_inline_spec_and_table_names(make_spec):
     inline = P.load({"rules": [{"target": "activation", "apply": "fewbit",
                                 "spec": make_spec("silu", 2)}]})
     assert inline.rules[0].option("spec")["activation"] == {"name": "silu"}
-    assert P.table_name("gelu3") == ("stepwise", "gelu", 3)
-    assert P.table_name("regelu2") == ("pwl", "gelu", 2)
-    assert P.table_name("resilu2") == ("pwl", "silu", 2)
-    assert P.table_name("relu1") == ("stepwise", "relu", 1)
-    assert P.table_name("gelu_tanh4") == ("stepwise", "gelu_tanh", 4)
-    assert P.table_name("nosuch3") is None
-    assert P.table_name("regelu5") is None  # pwl fits stop at 4 bits
+    assert table_name("gelu3") == ("stepwise", "gelu", 3)
+    assert table_name("regelu2") == ("pwl", "gelu", 2)
+    assert table_name("resilu2") == ("pwl", "silu", 2)
+    assert table_name("relu1") == ("stepwise", "relu", 1)
+    assert table_name("gelu_tanh4") == ("stepwise", "gelu_tanh", 4)
+    assert table_name("nosuch3") is None
+    assert table_name("regelu5") is None  # pwl fits stop at 4 bits
 
 
 @pytest.mark.parametrize("data, message", [

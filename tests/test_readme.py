@@ -22,7 +22,7 @@ import torch
 
 from actdesign.activation import builtin_names
 from actdesign.runtime import compress, models
-from actdesign.runtime.apply.policy import table_name
+from actdesign.runtime.methods.fewbit import table_name
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -22,6 +22,8 @@ from actdesign.errors import ActdesignError
 
 from ..apply import policy as policy_mod
 from ..apply.compress import compress, match
+from ..methods.actnn import ActNN
+from ..methods.fewbit import FewBit
 from ..models import batches as batch_forms
 from ..ops.known_modules import activation_name
 from ..ops.tables import table
@@ -122,11 +124,11 @@ def calibrate_policy(model: torch.nn.Module, batches, policy="fewbit3", *, bits:
         else (lambda: batch_forms.iterate(batches))
     targets = _fewbit_targets(model, base, bits)
     tables = _fit_tables(model, targets, _record(model, targets, fresh), say)
-    rules = [{"target": "activation", "name": t.name, "apply": "fewbit", "bits": t.bits,
+    rules = [{"target": "activation", "name": t.name, "apply": FewBit.name, "bits": t.bits,
               "spec": t.spec.to_dict()} for t in tables]
     base_rules = [r.to_dict() for r in base.rules]
     allocated = _allocate(model, base, rules + base_rules, fresh, loss, actnn_bits, say)
-    rules += [{"target": "conv2d" if conv else "linear", "name": name, "apply": "actnn",
+    rules += [{"target": "conv2d" if conv else "linear", "name": name, "apply": ActNN.name,
                "bits": b} for name, (b, conv) in allocated.items()]
     rules += base_rules
     result = policy_mod.validate({"format": policy_mod.FORMAT, "rules": rules},
@@ -137,8 +139,8 @@ def calibrate_policy(model: torch.nn.Module, batches, policy="fewbit3", *, bits:
 def _fewbit_targets(model, base, bits) -> dict:
     """{name: (module, activation, bits)} for activations the base gives a fewbit table."""
     found = {}
-    for name, (m, rule) in match(model, base)[0].items():
-        if rule.apply == "fewbit" and activation_name(m) is not None:
+    for name, (m, rule) in match(model, base).chosen.items():
+        if rule.apply == FewBit.name and activation_name(m) is not None:
             found[name] = (m, activation_name(m), bits or rule.option("bits"))
     return found
 
@@ -179,7 +181,7 @@ def _fit_tables(model, targets, hists, say) -> list[LayerTable]:
 def _allocate(model, base, rules, fresh, loss, actnn_bits, say) -> dict:
     """{layer: (bits, is conv)} from an exact allocation, if the base policy uses actnn.
     `rules` make the compressed copy the statistics run on."""
-    actnn = {r.option("bits") for r in base.rules if r.apply == "actnn"}
+    actnn = {r.option("bits") for r in base.rules if r.apply == ActNN.name}
     if not actnn:
         return {}
     if actnn_bits is None and len(actnn) > 1:

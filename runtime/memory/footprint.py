@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..methods import METHODS
 from . import cards
 
 BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
@@ -56,10 +57,10 @@ def nf4_bytes(numel: int) -> int:
 def family_of(policy, checkpointing: bool) -> str:
     """The policy family whose fragmentation the card's margins use: checkpointing (blocks
     recomputed), llm (our lossless ops), or eager."""
-    methods = {rule.apply for rule in policy.rules}
-    if checkpointing or "checkpoint" in methods:
+    families = {METHODS[rule.apply].family for rule in policy.rules}
+    if checkpointing or "checkpointing" in families:
         return "checkpointing"
-    return "llm" if methods & {"msnorm", "msglu", "msact", "rope", "fused_ce", "lean"} else "eager"
+    return "llm" if "llm" in families else "eager"
 
 
 @dataclass

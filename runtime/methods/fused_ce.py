@@ -1,4 +1,7 @@
-"""A causal LM computing its training loss with the fused loss of `ops.lm_loss`, as edits."""
+"""`fused_ce`: a transformers causal LM computes its training loss chunk by chunk with the
+fused linear cross-entropy (`ops.lm_loss`), so no logits are kept. Exact within float32
+rounding, checked on a probe batch where there is one; refused where the loss cannot be
+reproduced (a head with a bias, soft-capped logits, a forward computing its loss otherwise)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from actdesign.errors import ActdesignError
 from ..ops.fake import is_fake
 from ..ops.known_modules import is_causal_lm
 from ..ops.lm_loss import FusedLossHead, fused_forward, probe_losses
+from .base import Method, Option, integer, optional, register
 from .edits import BoundMethod, Edit, apply_all
 
 
@@ -67,3 +71,33 @@ def attach_fused_loss(model: nn.Module, chunk_size: int | None = None, probe=Non
     name, edits = plan_fused_loss(model, chunk_size, probe)
     apply_all(edits)
     return name
+
+
+@register
+class FusedCE(Method):
+    name = "fused_ce"
+    targets = ("head",)
+    options = {"chunk_size": Option(None, optional(integer(1, 1 << 30)))}
+    family = "llm"
+
+    def made(self, module) -> bool:
+        return isinstance(module.get_output_embeddings(), FusedLossHead)
+
+    def check(self, name, module, rule, draft) -> None:
+        draft.planned[name] = plan_fused_loss(module, rule.option("chunk_size"),
+                                              _with_labels(draft.inputs))
+
+    def replace(self, name, module, rule, draft) -> None:
+        head, fused = draft.planned[name]  # the model itself: its forward computes the loss
+        draft.edits += fused
+        draft.covered.add(module.get_output_embeddings())
+        head = f"{name}.{head}" if name else head  # the causal LM may be inside
+        draft.said(head, "Linear", "FusedLossHead (the loss is computed chunk by chunk: no "
+                                   "logits kept)")
+
+
+def _with_labels(inputs):
+    """The probe inputs of a causal LM with labels (its own, or the input ids), or None."""
+    if not isinstance(inputs, dict) or "input_ids" not in inputs:
+        return None
+    return {"labels": inputs["input_ids"], **inputs}

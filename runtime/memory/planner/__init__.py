@@ -54,15 +54,15 @@ from .errors import Reference, calibration_copy, measure_errors
 from .report import MemoryPlan, Point, draw_front, front, measure_policy
 from .sites import (
     LOSSLESS,
-    OPTIONS,
     PRESETS,
     Site,
     blocks_of,
     checkpoint_rules,
     class_of,
     find_sites,
+    kinds,
     labelled,
-    option_label,
+    options,
     plan_policy,
     policy_of,
     preset_policy,
@@ -70,11 +70,11 @@ from .sites import (
 )
 from .solve import Clock, candidates, smallest_budget, solve_verified
 
-__all__ = ["LOSSLESS", "OPTIONS", "PRESETS", "ActdesignError", "Clock", "Costs", "MemoryPlan",
+__all__ = ["LOSSLESS", "PRESETS", "ActdesignError", "Clock", "Costs", "MemoryPlan",
            "Point", "Reference", "ShapeStep", "ShapeSteps", "Site", "blocks_of", "calibration_copy",
            "candidates", "cards", "checkpoint_rules", "class_of", "draw_front", "find_sites",
            "front", "labelled", "measure_costs", "measure_errors", "measure_policy",
-           "option_label", "plan", "plan_policy", "policy_of", "preset_policy", "site_rules",
+           "kinds", "options", "plan", "plan_policy", "policy_of", "preset_policy", "site_rules",
            "smallest_budget", "solve_verified"]
 
 

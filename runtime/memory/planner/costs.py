@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 from actdesign.designer import plan as solver
 
 from ...apply import policy as policy_mod
+from ...methods import option_label
 from .. import cards
 from .errors import Reference, measure_errors
 from .sites import (
-    OPTIONS,
     Site,
     blocks_of,
     checkpoint_rules,
     class_of,
     find_sites,
-    option_label,
+    options,
     policy_of,
     site_rules,
 )
@@ -55,7 +55,7 @@ def measure_costs(model, batches, example, precision, card, kernels, calibration
     offered = {}  # class -> the options that save bytes at this shape
     for name, members in classes.items():
         offered[name] = []
-        for method, opts in OPTIONS[members[0].kind]:
+        for method, opts in options(members[0].kind):
             label = option_label(method, opts)
             step = shapes.run(policy_of([r for s in members for r in site_rules(s, method, opts)]))
             for s in members:
@@ -78,12 +78,12 @@ def measure_costs(model, batches, example, precision, card, kernels, calibration
     for s in sites:
         labels = offered[class_of(s)]
         keep = max(0, *(-delta[s, label] for label in labels)) if labels else 0
-        options = [solver.Option("keep", keep, 0.0, 0.0)]
+        priced = [solver.Option("keep", keep, 0.0, 0.0)]
         for label in labels:
             n = keep + delta[s, label]
-            options.append(solver.Option(label, n, errors[s, label],
-                                         card.option_time(label, keep, n)))
-        problem_sites.append(solver.Site(s.name, tuple(options), block_index.get(s.block)))
+            priced.append(solver.Option(label, n, errors[s, label],
+                                        card.option_time(label, keep, n)))
+        problem_sites.append(solver.Site(s.name, tuple(priced), block_index.get(s.block)))
         if s.block is None:
             outside -= keep
         else:

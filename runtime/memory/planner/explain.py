@@ -19,7 +19,9 @@ from dataclasses import dataclass, replace
 
 from actdesign.designer import plan as solver
 
-from .sites import option_label, plan_policy
+from ...methods import METHODS
+from ...methods.checkpoint import Checkpoint
+from .sites import plan_policy
 
 
 @dataclass
@@ -109,30 +111,20 @@ def preset_solution(costs, policy) -> solver.Solution:
     it gives none the planner offers), each block it checkpoints recomputed."""
     from ...apply.compress import match
 
-    chosen = match(costs.reference.model, policy)[0]
-    checkpointed = {name for name, (_, rule) in chosen.items() if rule.apply == "checkpoint"}
+    chosen = match(costs.reference.model, policy).chosen
+    checkpointed = {name for name, (_, rule) in chosen.items()
+                    if rule.apply == Checkpoint.name}
     offloaded = {name for name in checkpointed if chosen[name][1].option("offload")}
     choice = []
     for site, priced in zip(costs.sites, costs.problem.sites, strict=True):
         rule = chosen.get(site.layers[0], (None, None))[1]
-        label = None if rule is None else _label(rule)
+        label = None if rule is None else METHODS[rule.apply].label(rule)
         names = [o.name for o in priced.options]
         blocked = site.block in checkpointed
         choice.append(names.index(label) if label in names and not blocked else 0)
     recomputed = [b in checkpointed for b in costs.blocks]
     return solver.evaluate(costs.problem, choice, recomputed,
                            [b in offloaded for b in costs.blocks])
-
-
-def _label(rule) -> str | None:
-    options = dict(rule.options)
-    if rule.apply in ("fewbit", "pwl", "actnn"):
-        return option_label(rule.apply, {"bits": options["bits"]})
-    if rule.apply == "backrazor":
-        return option_label(rule.apply, {"ratio": options["ratio"]})
-    if rule.apply == "pooled":
-        return option_label(rule.apply, {"pool": options["pool"]})
-    return None
 
 
 def lossless_alternative(plan, shapes) -> Lossless | None:

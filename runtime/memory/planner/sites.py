@@ -8,30 +8,29 @@ import re
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ... import models
 from ...apply import policy as policy_mod
 from ...apply.compress import match
+from ...methods import METHODS, option_label
+from ...methods.checkpoint import Checkpoint
 from ...methods.targets import target_of
 from ...ops.draws import forked_rng
-from ...ops.known_modules import activation_name
 from ...ops.sharing import whole
 
 LOSSLESS = "llm"
-# site kind -> its options after `keep`, as (method, options)
-OPTIONS = {
-    "activation": [("fewbit", {"bits": b}) for b in (1, 2, 3, 4)] + [("pwl", {"bits": 2})],
-    "linear": [("actnn", {"bits": b}) for b in range(1, 9)]
-    + [("backrazor", {"ratio": r}) for r in (0.5, 0.9)],
-}
-OPTIONS["conv2d"] = OPTIONS["linear"] + [("pooled", {"pool": 2})]
 
 
-def option_label(method: str, options: dict) -> str:
-    if not options:
-        return method
-    return f"{method}{next(iter(options.values())):g}"
+def kinds() -> list[str]:
+    """The kinds of site some method is offered for, in the registry's order."""
+    return list(dict.fromkeys(kind for method in METHODS.values() for kind in method.offers))
+
+
+def options(kind: str) -> list[tuple[str, dict]]:
+    """A site kind's options after `keep`, as (method, options): every registered method's
+    offers for it, in the registry's order."""
+    return [(method.name, dict(o)) for method in METHODS.values()
+            for o in method.offers.get(kind, ())]
 
 
 @dataclass(frozen=True)
@@ -58,19 +57,14 @@ def find_sites(model, example) -> list[Site]:
     derivative and the Linear/Conv layers compress would quantize, grouped by the tensor they
     read (found by one forward of `example`)."""
     every = {"format": policy_mod.FORMAT, "rules": [
-        {"target": "activation", "apply": "fewbit"},
-        {"target": "linear", "apply": "actnn"}, {"target": "conv2d", "apply": "actnn"},
+        *({"target": kind, "apply": options(kind)[0][0]} for kind in kinds()),
         *policy_mod.PRESETS[LOSSLESS]]}
-    chosen = match(model, policy_mod.load(every))[0]
     layers = {}  # name -> kind
-    for name, (m, rule) in chosen.items():
-        if rule.apply == "fewbit" and activation_name(m) is not None:
-            layers[name] = "activation"
-        elif rule.apply == "actnn":
-            layers[name] = "conv2d" if isinstance(m, nn.Conv2d) else "linear"
-        elif rule.apply == "msglu":  # its layers are sites; its activation is its own
-            for part in ("gate_proj", "up_proj", "down_proj"):
-                layers[f"{name}.{part}"] = "linear"
+    for name, (m, rule) in match(model, policy_mod.load(every)).chosen.items():
+        method = METHODS[rule.apply]
+        if rule.target in method.offers and method.takes(m):
+            layers[name] = rule.target
+        layers |= method.sites(name, m)  # the parts of a module a method takes whole
     modules = dict(model.named_modules())
     reads = _inputs_read(model, {n: modules[n] for n in layers}, example)
     groups: dict = {}
@@ -129,7 +123,7 @@ def class_of(site: Site) -> str:
 
 def labelled(kind: str) -> dict:
     """{option label: (method, options)} of a site kind."""
-    return {option_label(m, o): (m, o) for m, o in OPTIONS[kind]}
+    return {option_label(m, o): (m, o) for m, o in options(kind)}
 
 
 def site_rules(site: Site, method: str, options: dict) -> list[dict]:
@@ -148,9 +142,10 @@ def checkpoint_rules(blocks, offloaded=()) -> list[dict]:
     kept = [b for b in blocks if b not in offloaded]
     rules = []
     if moved:
-        rules.append({"target": "block", "name": moved, "apply": "checkpoint", "offload": True})
+        rules.append({"target": "block", "name": moved, "apply": Checkpoint.name,
+                      "offload": True})
     if kept:
-        rules.append({"target": "block", "name": kept, "apply": "checkpoint"})
+        rules.append({"target": "block", "name": kept, "apply": Checkpoint.name})
     return rules
 
 

@@ -1,0 +1,93 @@
+"""`actnn`: a Linear or Conv2d layer keeps its input, for the weight gradient only, as b-bit
+per-group stochastic codes (ActNN; `ops.quantized`, `templates/actnn_ops.py.jinja`).
+
+The codes are shared: the readers of an MS norm that all keep codes of one bit width keep
+the norm's codes of x̂ (`msnorm`), and a layer whose input another op keeps anyway keeps
+nothing of its own (it stays exact, and lean). A bits file (`allocation`, written by
+`actdesign allocate` or `calibrate`) gives the layers it names their own bits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from actdesign.designer.allocate import load_bits
+from actdesign.errors import ActdesignError
+
+from ..ops.compressed import LeanLinear
+from ..ops.quantized import InputCodes, QConv2d, QLinear
+from .base import Method, Option, integer, register
+from .lora import is_lean, kept_elsewhere, plan_lean_lora
+
+
+def power_of_two(value, where, base=None):
+    value = integer(8, 1 << 20)(value, where)
+    if value & (value - 1):
+        raise ActdesignError(f"{where} must be a power of two, got {value}")
+    return value
+
+
+def allocation_file(value, where, base):
+    """None, or a bits file: its per-layer bits override `bits` for the layers it names.
+    Read now, so a bad file fails early; kept as a path."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.endswith(".json"):
+        raise ActdesignError(f"{where} must be the path of a .json bits file")
+    path = Path(value)
+    if base is not None and not path.is_absolute():
+        path = base / path
+    load_bits(path)
+    return str(path.resolve())
+
+
+def bits_of(name, rule) -> tuple[int, int]:
+    """(bits, group size) of an ActNN rule for the layer at `name`."""
+    bits = rule.option("bits")
+    if rule.option("allocation"):
+        bits = load_bits(rule.option("allocation")).get(name, bits)
+    return bits, rule.option("group_size")
+
+
+@register
+class ActNN(Method):
+    name = "actnn"
+    targets = ("linear", "conv2d")
+    options = {"bits": Option(2, integer(1, 8)), "group_size": Option(256, power_of_two),
+               "allocation": Option(None, allocation_file)}
+    offers = {kind: tuple({"bits": b} for b in range(1, 9)) for kind in ("linear", "conv2d")}
+
+    def attached(self, module) -> bool:
+        return is_lean(module)
+
+    def codes(self, name, module, rule, draft) -> dict:
+        return {} if isinstance(module, nn.Conv2d) else {module: bits_of(name, rule)}
+
+    def replace(self, name, module, rule, draft) -> None:
+        if module in draft.kept or module in draft.exact:
+            # Its input is kept anyway (by an MS norm, or by attention for its backward):
+            # codes of it would add bytes and noise, not save them. The exact layer, lean.
+            why = "an MS norm's x̂" if module in draft.exact else "kept by another op"
+            draft.swap(name, module, LeanLinear.from_module(module),
+                       f"LeanLinear (its input is {why}, kept anyway: no codes)")
+            return
+        super().replace(name, module, rule, draft)
+
+    def replacement(self, name, module, rule, draft):
+        cls = QConv2d if isinstance(module, nn.Conv2d) else QLinear
+        bits, group_size = bits_of(name, rule)
+        new = cls.from_module(module, bits=bits, group_size=group_size)
+        shared = ": the MS norm's codes, shared" if module in draft.sharing else ""
+        return new, f"{cls.__name__} ({bits}-bit saved input{shared})"
+
+    def replace_lora(self, name, layer, rule, draft) -> None:
+        kept = kept_elsewhere(layer, draft)
+        if kept is not None:
+            plan_lean_lora(name, layer, LeanLinear, kept, draft)
+            return
+        bits, group_size = draft.codes[layer]
+        of = "the MS norm's x̂, shared" if layer in draft.sharing else "x"
+        plan_lean_lora(name, layer, InputCodes(bits, group_size), f"{bits}-bit codes of {of}",
+                       draft)
