@@ -430,3 +430,29 @@ def test_pwl_asymptotes_are_bounded(capsys):
     with within(20.0, "pwl asymptotes"):  # 5 s a side at most
         code, out, err = run(capsys, "fit", text, "--kind", "pwl", "--bits", "2", "--quiet")
     assert code == 2 and out == "" and err.count("\n") == 1 and "asymptotes" in err, err
+
+
+def test_the_commands_read_their_choices_from_the_code_defining_them(capsys):
+    """No list of cards, optimizers or kernels is written in the CLI: estimate and plan offer
+    what cards, footprint and estimate define, and refuse a bad card the same way."""
+    import click
+
+    from actdesign.cli import cli
+    from actdesign.runtime.memory import cards, footprint
+    from actdesign.runtime.memory.estimate import KERNELS
+
+    def choices(command, option):
+        param = next(p for p in cli.commands[command].params if option in p.opts)
+        assert isinstance(param.type, click.Choice)
+        return param.type.choices
+
+    assert choices("estimate", "--card") == choices("plan", "--card") == cards.NAMES
+    assert choices("estimate", "--optimizer") == tuple(footprint.OPTIMIZERS)
+    assert choices("estimate", "--kernels") == KERNELS
+    refusals = set()
+    for argv in (["estimate", "-m", "llama-tiny"], ["plan", "-m", "llama-tiny", "--batch", "1",
+                                                    "--budget", "0.5", "-o", "p.json"]):
+        code, _, err = run(capsys, *argv, "--card", "h1000")
+        assert code == 2 and len(err.strip().splitlines()) == 1
+        refusals.add(err.split("': ", 1)[-1].strip())  # after the option's name
+    assert len(refusals) == 1 and "'h1000' is not one of 'h100', 'h200'" in refusals.pop()
