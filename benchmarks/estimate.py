@@ -164,7 +164,7 @@ def layer_check(args):
 def real_step(path, config, policy, batch, seq, precision):
     """(saved bytes, activation peak) of one real training step after a warm-up one."""
     torch.manual_seed(0)
-    model = models._from_config(path, config).train()
+    model = models.from_config(path, config).train()
     if policy != "none":
         compress(model, policy, example_inputs=models.example_batch(model, 2, 8))
     inputs = models.example_batch(model, batch, seq)

@@ -45,7 +45,8 @@ from actdesign import runtime, spec
 from actdesign.designer import fit_stepwise
 from actdesign.runtime.ops.glu import glu_ops
 from actdesign.runtime.ops.lm_loss import fused_linear_cross_entropy
-from actdesign.runtime.ops.rope import _reference, rotary
+from actdesign.runtime.ops.rope import reference as eager_rotation
+from actdesign.runtime.ops.rope import rotary
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh}
 BITS = (1, 2, 3, 4, 8)
@@ -229,7 +230,7 @@ def host_cost_pairs(device):
     q, k = rand(1, 2, 8, 64), rand(1, 2, 8, 64)
     cos, sin = rand(1, 8, 64, grad=False), rand(1, 8, 64, grad=False)
     yield ("rotation q, k (2 x 8 x 64)",
-           step(lambda a, b: _reference(a, b, cos, sin), q, k, autocast=True),
+           step(lambda a, b: eager_rotation(a, b, cos, sin), q, k, autocast=True),
            step(lambda a, b: rotary(a, b, cos, sin), q, k, autocast=True))
     linear = nn.Linear(128, 128).to(device)
     yield ("lean Linear (8 x 128)", step(linear, x, autocast=True),
@@ -371,7 +372,7 @@ def rope_row(device, measure, repeats, row, batch=16, seq=1024, heads=12, dim=64
     cos, sin = (torch.randn(batch, seq, dim, device=device) for _ in range(2))
     gq, gk = torch.randn_like(q), torch.randn_like(k)
     times = []
-    for fn in (lambda: [t.bfloat16() for t in _reference(q, k, cos, sin)],
+    for fn in (lambda: [t.bfloat16() for t in eager_rotation(q, k, cos, sin)],
                lambda: rotary(q, k, cos, sin)):
         with torch.autocast(device, dtype=torch.bfloat16):
             out = fn()

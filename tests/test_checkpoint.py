@@ -37,7 +37,7 @@ def llama():
     torch.manual_seed(0)
     config = models.config_of("llama-tiny")
     config.attention_dropout = 0.1  # LLaMA's only dropout: inside the block
-    model = models._from_config("llama-tiny", config).train()
+    model = models.from_config("llama-tiny", config).train()
     return model, models.example_batch(model, 2, 12)
 
 

@@ -109,14 +109,14 @@ def test_peak_matches_the_real_step(name, precision, checkpointing):
 
 def test_no_parameter_is_allocated(monkeypatch):
     seen = []
-    real = models._from_config
+    real = models.from_config
 
     def spy(name, config):
         model = real(name, config)
         seen.append(model)
         return model
 
-    monkeypatch.setattr(models, "_from_config", spy)
+    monkeypatch.setattr(models, "from_config", spy)
     estimate("qwen2-tiny", 2, 16)
     (model,) = seen
     assert all(isinstance(p, FakeTensor) for p in model.parameters())

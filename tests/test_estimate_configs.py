@@ -25,7 +25,7 @@ def test_config_gives_the_published_parameter_count(name):
     config = models.config_of(path)
     assert config.torch_dtype in ("bfloat16", torch.bfloat16)
     with torch.device("meta"):  # the buffers (rotary frequencies) without allocating weights
-        model = models._from_config(path, config)
+        model = models.from_config(path, config)
     model_cls, parameters = PUBLISHED[name]
     assert type(model).__name__ == model_cls
     assert sum(p.numel() for p in model.parameters()) == parameters

@@ -72,7 +72,7 @@ def test_architectures(tmp_path, arch, policy, checkpointing, precision):
         row = estimate(str(tmp_path), *shape, precision, [policy],
                        checkpointing=checkpointing, kernels="cpu").rows[0]
         torch.manual_seed(0)
-        real = models._from_config(arch, model.config)
+        real = models.from_config(arch, model.config)
         saved, peak, _ = real_step(arch, real, policy, *shape, precision, checkpointing)
         assert_close(row.saved_bytes, saved)
         assert_close(row.peak_bytes, peak)

@@ -12,7 +12,7 @@ from actdesign.errors import ActdesignError
 from actdesign.runtime import compress, models
 from actdesign.runtime.methods.rope import attach_rotary
 from actdesign.runtime.methods.targets import target_of
-from actdesign.runtime.ops.rope import _reference, rotary
+from actdesign.runtime.ops.rope import reference, rotary
 
 rope_mod = importlib.import_module("actdesign.runtime.ops.rope")
 
@@ -39,7 +39,7 @@ def test_kernels_give_eagers_values_and_the_adjoint(dtype, shape, monkeypatch):
         qe, ke = rotary(q, k, cos, sin)
     assert type(qe.grad_fn).__name__ == "_RotaryBackward"
     # Forward: eager's float32 values, rounded once to what attention casts them to.
-    want_q, want_k = _reference(q.detach(), k.detach(), cos, sin)
+    want_q, want_k = reference(q.detach(), k.detach(), cos, sin)
     assert qe.dtype == dtype and torch.equal(qe, want_q.to(dtype))
     assert torch.equal(ke, want_k.to(dtype))
     assert qe.stride() == q.stride()  # the layout of q: no copy for attention to undo
@@ -50,7 +50,7 @@ def test_kernels_give_eagers_values_and_the_adjoint(dtype, shape, monkeypatch):
     gq, gk = torch.randn_like(qe), torch.randn_like(ke)
     torch.autograd.backward((qe, ke), (gq, gk))
     q64, k64 = (t.detach().double().requires_grad_() for t in (q, k))
-    ref = _reference(q64, k64, cos.double(), sin.double())
+    ref = reference(q64, k64, cos.double(), sin.double())
     torch.autograd.backward(ref, (gq.double(), gk.double()))
     half_ulp = torch.finfo(dtype).eps / 2
     for got, want, g in ((q.grad, q64.grad, gq), (k.grad, k64.grad, gk)):
@@ -72,7 +72,7 @@ def test_with_cos_and_sin_in_qs_dtype_the_kernel_is_eager_bit_for_bit(dtype, aut
     cos, sin = (t.to(dtype) for t in (cos, sin))
     gq, gk = (torch.randn(t.shape, dtype=torch.float64).to(dtype) for t in (q, k))
     results = []
-    for fn in (rotary, _reference):
+    for fn in (rotary, reference):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k)]
         half = dtype if dtype != torch.float32 else torch.bfloat16
         with torch.autocast("cpu", dtype=half, enabled=autocast):
@@ -98,7 +98,7 @@ def test_eagers_ops_run_where_the_kernel_does_not_pay(monkeypatch):
     q, k, cos, sin = qk_cos_sin(dtype=torch.float32)
     qe, ke = rotary(q, k, cos, sin)
     assert type(qe.grad_fn).__name__ != "_RotaryBackward"
-    for a, b in zip((qe, ke), _reference(q, k, cos, sin), strict=True):
+    for a, b in zip((qe, ke), reference(q, k, cos, sin), strict=True):
         assert torch.equal(a, b)
     monkeypatch.setenv("ACTDESIGN_BACKEND", "triton")
     with torch.autocast("cpu", dtype=torch.bfloat16):  # another layout: eager's ops

@@ -173,7 +173,7 @@ def _priced(setup: _Setup, name, policy, say, built) -> Row:
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
         # a config that builds a model whose own forward fails (sizes that do not fit)
         raise ActdesignError(f"model {setup.name!r}: its training step fails: "
-                             f"{models._reason(exc)}; check its config") from None
+                             f"{models.reason(exc)}; check its config") from None
 
 
 def _searched(setup: _Setup, name, policy, say, built, dimension, step, sizes) -> Row:
@@ -289,7 +289,7 @@ def _source(model) -> tuple[str, object, torch.nn.Module | None, list[str]]:
 
 
 def _source_of_dict(data: dict):
-    transformers = models._transformers("a config dict")
+    transformers = models.require_transformers("a config dict")
     kind = data.get("model_type")
     if not isinstance(kind, str):
         raise ActdesignError("a config dict needs its model_type, such as 'llama'")
@@ -298,5 +298,5 @@ def _source_of_dict(data: dict):
         config = transformers.AutoConfig.for_model(kind, **fields)
     except Exception as exc:  # noqa: BLE001  (transformers' validators raise their own types)
         raise ActdesignError(f"the {kind} config dict cannot be used: "
-                             f"{models._reason(exc)}") from None
+                             f"{models.reason(exc)}") from None
     return f"{kind} config", config, None, []

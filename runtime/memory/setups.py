@@ -23,7 +23,7 @@ def fake_model(name: str, config, precision: str = "fp32", lora=None):
     in bfloat16 where the precision says (`bf16_weights`), with PEFT LoRA adapters when given
     `lora`, a rank (see `with_lora`) or a peft.LoraConfig."""
     with no_initialization(), conversions_in_place():
-        model = models._from_config(name, config).train()
+        model = models.from_config(name, config).train()
         return _converted(model, name, precision, lora)
 
 

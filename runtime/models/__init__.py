@@ -71,7 +71,7 @@ def config_of(name: str):
     """The transformers config a model name gives (a built-in, a local directory or config.json,
     `hf:<repo id>`); None for a `module:function` builder."""
     if name in BUILTIN:
-        transformers = _transformers(name)
+        transformers = require_transformers(name)
         config_cls, _, args = BUILTIN[name]
         return getattr(transformers, config_cls)(**args)
     if name.startswith("hf:"):
@@ -110,7 +110,7 @@ def build(name: str, seed: int = 0, say=None, device=None):
         say(f"building {name}")
     if config is not None:
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            return _from_config(name, config), None
+            return from_config(name, config), None
     made = builder()
     if isinstance(made, tuple) and len(made) == 2 and callable(made[1]):
         model, make_batch = made
@@ -121,7 +121,7 @@ def build(name: str, seed: int = 0, say=None, device=None):
     return model, make_batch
 
 
-def _transformers(name):
+def require_transformers(name):
     try:
         import transformers
     except ImportError:
@@ -136,15 +136,15 @@ def _local_config(name, path: Path):
     if not file.is_file():
         raise ActdesignError(f"model {name!r}: no config.json in that directory; give a Hugging "
                              "Face model directory or its config.json")
-    transformers = _transformers(name)
+    transformers = require_transformers(name)
     try:
         return transformers.AutoConfig.from_pretrained(str(file))
     except Exception as exc:  # noqa: BLE001  (transformers' validators raise their own types)
         raise ActdesignError(f"model {name!r}: cannot use {str(file)!r}: "
-                             f"{_reason(exc)}") from None
+                             f"{reason(exc)}") from None
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
     """The line of an exception that says what is wrong: the first of its innermost cause
     (a validator's, not the frame that wraps it; not the advice that follows it)."""
     while exc.__cause__ is not None:
@@ -156,7 +156,7 @@ def _reason(exc: BaseException) -> str:
 def _hub_config(name, repo):
     if not repo:
         raise ActdesignError(f"model {name!r}: give a repo id, such as hf:gpt2")
-    transformers = _transformers(name)
+    transformers = require_transformers(name)
     try:
         return transformers.AutoConfig.from_pretrained(repo, local_files_only=True)
     except OSError:
@@ -165,7 +165,7 @@ def _hub_config(name, repo):
                              "give a local model directory") from None
     except Exception as exc:  # noqa: BLE001  (a type this transformers lacks, a bad config)
         raise ActdesignError(f"model {name!r}: cannot use its config (remote code is not "
-                             f"run): {_reason(exc)}") from None
+                             f"run): {reason(exc)}") from None
 
 
 # What sizes a causal LM's shape: a config file without one takes transformers' default.
@@ -218,11 +218,11 @@ def defaulted(name: str, config) -> list[str]:
     return out
 
 
-def _from_config(name, config):
+def from_config(name, config):
     """The model class the name says (BUILTIN) or the config lists (`architectures`); else the
     causal LM for the config's type, else its bare model. A config its model refuses (a
     width that the heads do not divide, say) is refused in one line saying why."""
-    transformers = _transformers(name)
+    transformers = require_transformers(name)
     if name in BUILTIN:
         build = getattr(transformers, BUILTIN[name][1])
     else:
@@ -240,7 +240,7 @@ def _from_config(name, config):
         return build(config)
     except Exception as exc:  # noqa: BLE001  (transformers' validators raise their own types)
         raise ActdesignError(f"model {name!r}: its config cannot build a model: "
-                             f"{_reason(exc)}") from None
+                             f"{reason(exc)}") from None
 
 
 def with_weights(name: str, model):

@@ -56,7 +56,7 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _reference(q, k, cos, sin, unsqueeze_dim=1):
+def reference(q, k, cos, sin, unsqueeze_dim=1):
     """Eager transformers' rotation, op for op."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
@@ -87,7 +87,7 @@ def rotary(q, k, cos, sin, unsqueeze_dim=1):
     """(q, k) rotated as transformers' apply_rotary_pos_emb does: in one kernel each where it
     pays (CUDA under autocast, cos and sin float32), else eager's own ops."""
     if not _kernel_runs(q, k, cos, sin, unsqueeze_dim):
-        return _reference(q, k, cos, sin, unsqueeze_dim)
+        return reference(q, k, cos, sin, unsqueeze_dim)
     return _kernels(q, k, cos, sin)
 
 
@@ -177,7 +177,7 @@ def _same_rotation(original) -> bool:
             got = original(q, k, cos, sin)
     except Exception:  # noqa: BLE001  (any failure means: not the function we know)
         return False
-    want = _reference(q, k, cos, sin)
+    want = reference(q, k, cos, sin)
     return isinstance(got, tuple) and len(got) == 2 and all(
         isinstance(g, torch.Tensor) and g.shape == w.shape and torch.equal(g, w)
         for g, w in zip(got, want, strict=True))
