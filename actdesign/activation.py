@@ -85,7 +85,7 @@ class Activation:
         """The sympy tree, parsed on first use (sympy is imported then)."""
         from . import expr
 
-        return expr.parse(self.formula)
+        return expr.parse(self.formula, bounded=self.name is None)
 
     @cached_property
     def df_expr(self):

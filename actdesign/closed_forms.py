@@ -191,6 +191,25 @@ TABLE = {
 }
 
 
+# name -> ((α, β), (γ, δ)): the left and right linear asymptotes α + βx and γ + δx, the exact
+# limits sympy finds for the formula (tests compare them); None: there is none (squared_relu).
+ASYMPTOTES = {
+    "relu": ((0.0, 0.0), (0.0, 1.0)), "leaky_relu": ((0.0, 0.01), (0.0, 1.0)),
+    "relu6": ((0.0, 0.0), (6.0, 0.0)), "elu": ((-1.0, 0.0), (0.0, 1.0)),
+    "celu": ((-1.0, 0.0), (0.0, 1.0)),
+    # -1.0507009873554804934193349852946 * 1.6732632423543772848170429916717, rounded once
+    "selu": ((-1.7580993408473768, 0.0), (0.0, 1.0507009873554805)),
+    "gelu": ((0.0, 0.0), (0.0, 1.0)), "gelu_tanh": ((0.0, 0.0), (0.0, 1.0)),
+    "quick_gelu": ((0.0, 0.0), (0.0, 1.0)), "silu": ((0.0, 0.0), (0.0, 1.0)),
+    "mish": ((0.0, 0.0), (0.0, 1.0)), "sigmoid": ((0.0, 0.0), (1.0, 0.0)),
+    "tanh": ((-1.0, 0.0), (1.0, 0.0)), "softplus": ((0.0, 0.0), (0.0, 1.0)),
+    "softsign": ((-1.0, 0.0), (1.0, 0.0)), "logsigmoid": ((0.0, 1.0), (0.0, 0.0)),
+    "tanhshrink": ((1.0, 1.0), (-1.0, 1.0)), "hardswish": ((0.0, 0.0), (0.0, 1.0)),
+    "hardsigmoid": ((0.0, 0.0), (1.0, 0.0)), "hardtanh": ((-1.0, 0.0), (1.0, 0.0)),
+    "squared_relu": None,
+}
+
+
 def breakpoints(name: str, lo: float, hi: float) -> np.ndarray:
     """Where f' of a built-in may jump or kink inside [lo, hi], sorted."""
     points = TABLE[name][3]

@@ -25,11 +25,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import sympy as sp
 
+from actdesign import closed_forms
 from actdesign.activation import Activation, resolve
 from actdesign.errors import ActdesignError
-from actdesign.expr import X, sigmoid, softplus, time_limit
 
 from .quadrature import _gauss_legendre, adaptive_integral
 from .weights import Flat
@@ -39,7 +38,7 @@ DEFAULT_TAIL_TOL = 1e-10
 MAX_RANGE = 64.0
 TABLE_CELLS = 4096  # cells of the tail-moment table
 SEARCH_POINTS = 160  # grid positions for knots in the combinatorial search
-ASYMPTOTE_SECONDS = 5.0  # per side; legitimate limits take well under a second or two
+ASYMPTOTE_SECONDS = 5.0  # per side, for an expression; legitimate limits take a second or two
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,7 +75,23 @@ class PwlFit:
 
 
 def asymptotes(act: Activation) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((α, β), (γ, δ)): the left and right linear asymptotes, as exact limits."""
+    """((α, β), (γ, δ)): the left and right linear asymptotes, as exact limits: a built-in's
+    from its closed form, an expression's found by sympy within ASYMPTOTE_SECONDS a side."""
+    if act.name is not None:
+        found = closed_forms.ASYMPTOTES[act.name]
+        if found is None:
+            raise ActdesignError(f"{act.label} has no linear asymptote at +inf; a pwl fit "
+                                 "follows both asymptotes")
+        return found
+    return _limits(act)
+
+
+def _limits(act: Activation):
+    """An expression's asymptotes: sympy's limits of f/x and f - βx at either side."""
+    import sympy as sp
+
+    from actdesign.expr import X, sigmoid, softplus, time_limit
+
     expr = act.f_expr.replace(sigmoid, lambda u: 1 / (1 + sp.exp(-u)))
     expr = expr.replace(softplus, lambda u: sp.log(1 + sp.exp(u)))
     sides = []
@@ -84,7 +99,7 @@ def asymptotes(act: Activation) -> tuple[tuple[float, float], tuple[float, float
             "asymptotes, which a pwl fit follows; write it more simply")
     for side, name in ((-sp.oo, "-inf"), (sp.oo, "+inf")):
         far = expr.replace(lambda e: isinstance(e, sp.Piecewise),
-                           lambda e, side=side: _branch_at(e, side))
+                           lambda e, side=side: _branch_at(e, side, X))
         try:
             with time_limit(ASYMPTOTE_SECONDS, slow):  # sp.limit may never return
                 slope = sp.limit(far / X, X, side)
@@ -98,9 +113,11 @@ def asymptotes(act: Activation) -> tuple[tuple[float, float], tuple[float, float
     return sides[0], sides[1]
 
 
-def _branch_at(pw: sp.Piecewise, side):
+def _branch_at(pw, side, x):
+    import sympy as sp
+
     for value, cond in pw.args:
-        holds = cond.subs(X, side)
+        holds = cond.subs(x, side)
         if holds is sp.true:
             return value
         if holds is not sp.false:

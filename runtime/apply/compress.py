@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from actdesign.errors import ActdesignError
+from actdesign.errors import ActdesignError, TooSlow
 
 from .. import models
 from ..methods import METHODS
@@ -209,6 +209,8 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
                 method.replace_lora(name, m, rule, draft)
             else:
                 method.replace(name, m, rule, draft)
+        except TooSlow:  # the user's expression took too long: an error, not a reason
+            raise
         except ActdesignError as exc:
             draft.skip(name, m, str(exc))
     for method in METHODS.values():
@@ -297,6 +299,8 @@ def match(model, policy, inputs=None, report=None) -> Draft:
             continue
         try:  # a composite refused releases its parts to the other rules
             METHODS[rule.apply].check(name, m, rule, draft)
+        except TooSlow:
+            raise
         except ActdesignError as exc:
             draft.skip(name, m, str(exc))
             continue
