@@ -347,7 +347,7 @@ def count_launches(setup: Setup, row: str) -> dict | None:
     CUDA tensors)."""
     if row == "liger" or setup.compiled:
         return None
-    with shapes_only("cuda"):
+    with shapes_only("cuda", skip_repeats=False):  # every launch counted
         model = build(setup, row, fake=True)
         inputs = _inputs(model, setup)
         optimizer = _optimizer(model)

@@ -153,7 +153,7 @@ def fake_step(model, example, policy: policy_mod.Policy, precision: str,
     module, untouched) on fake tensors, compressed by `policy`, on inputs shaped as `example`
     (real tensors: a tensor, a tuple or a dict). `counter`, a dispatch mode such as torch's
     FlopCounterMode, watches the step. `window_peaks`: as `step`'s."""
-    mode = ShapesOnly(kernels)
+    mode = ShapesOnly(kernels, skip_repeats=counter is None)  # a counter sees every op
     inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                       example)
     with mode, CpuKernels(), unpacked_sequences():

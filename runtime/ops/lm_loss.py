@@ -40,6 +40,7 @@ from actdesign.errors import ActdesignError
 from .cache import generated
 from .compressed import LeanLinear, autocast_casts, autocast_off
 from .draws import same_draws
+from .fake import spans_to_run
 from .sharing import kept_for, rebuild
 
 # A chunk's logits hold at least this many values: its four products then take far longer on
@@ -112,7 +113,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ops, w, wide = loss_ops(), weight.to(dtype), _wide(dtype)
         r = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         nll = torch.empty_like(r)
-        for a, b in _chunks(hidden.shape[0], chunk_size):
+        for a, b in spans_to_run(_chunks(hidden.shape[0], chunk_size), hidden):
             ops.row_losses(hidden[a:b] @ w.T, targets[a:b], ignore_index, r[a:b], nll[a:b])
         kept, extras, ctx.make = kept_for(hidden)  # a final MS norm's x̂, where it offers it
         if kept is None:  # a recipe with nothing to slice per chunk: keep the hidden states
@@ -131,7 +132,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(w.shape, dtype=wide, device=w.device) \
             if ctx.needs_input_grad[1] else None
         with autocast_off(kept.device.type):
-            for a, b in _chunks(kept.shape[0], ctx.chunk_size):
+            for a, b in spans_to_run(_chunks(kept.shape[0], ctx.chunk_size), kept):
                 hidden = rebuild(kept[a:b], extras, ctx.make, (b - a, kept.shape[1]),
                                  ctx.hidden_dtype)  # a chunk at a time
                 dz = ops.logits_grad_(hidden @ w.T, targets[a:b], ctx.ignore_index,

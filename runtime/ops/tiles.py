@@ -37,6 +37,7 @@ import torch
 from actdesign.errors import ActdesignError
 
 from .draws import replayed_rng, rng_state
+from .fake import spans_to_run
 from .sharing import kept_for, rebuild
 
 SMALLEST_AUTO_TILE = 1024
@@ -91,7 +92,7 @@ class _Tiled(torch.autograd.Function):
                         torch.get_autocast_dtype(device.type))
         ctx.rng = rng_state(device)
         y = None
-        for a, b in spans(flat.shape[0], rows):
+        for a, b in spans_to_run(spans(flat.shape[0], rows), flat):
             part = forward(flat[a:b])
             if y is None:
                 y = part.new_empty((flat.shape[0], part.shape[-1]))
@@ -123,7 +124,7 @@ class _Tiled(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         with replayed_rng(kept.device, ctx.rng), torch.enable_grad(), \
                 torch.autocast(kept.device.type, dtype=dtype, enabled=enabled):
-            for a, b in spans(kept.shape[0], ctx.rows):
+            for a, b in spans_to_run(spans(kept.shape[0], ctx.rows), kept):
                 x = rebuild(kept[a:b], extras, ctx.make, (b - a, width), ctx.x_dtype)
                 x = x.detach().requires_grad_(dx is not None)
                 inputs = ([x] if dx is not None else []) + [params[i] for i in wanted]
