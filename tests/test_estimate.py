@@ -414,3 +414,35 @@ def test_the_cli_offers_every_card_and_optimizer_the_library_knows():
     params = {p.name: p for p in cli.commands["estimate"].params}
     assert tuple(params["card"].type.choices) == cards.NAMES
     assert tuple(params["optimizer"].type.choices) == tuple(footprint.OPTIMIZERS)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("name, tile, chunk, policy", [
+    ("llama-tiny", 5, 7, "llm+offload"), ("llama-tiny", 3, 4, "llm+actnn2"),
+    ("qwen2-tiny", 6, 11, "llm")])
+def test_a_step_that_skips_repeated_tiles_and_chunks_prices_what_running_them_all_does(
+        precision, name, tile, chunk, policy, monkeypatch):
+    """Sequence tiles and loss chunks of two sizes each: on fake tensors the repeats are left
+    out (a step of any length costs about a few tiles'), and the saved bytes, the peak and
+    each block's backward window are those of the step that runs every one."""
+    from actdesign.runtime.apply import policy as policy_mod
+    from actdesign.runtime.memory import steps
+    from actdesign.runtime.ops import fake
+
+    rules = policy_mod.load({"rules": [
+        {"target": "glu", "apply": "msglu", "tile": tile},
+        {"target": "head", "apply": "fused_ce", "chunk_size": chunk},
+        *policy_mod.load(policy).to_dict()["rules"]]})
+    model, _ = models.build(name)
+    example = models.example_batch(model.train(), 2, 41)
+    got = []
+    for skip in (True, False):
+        monkeypatch.setattr(steps, "ShapesOnly",
+                            lambda kernels, skip_repeats, skip=skip: fake.ShapesOnly(kernels,
+                                                                                     skip))
+        windows = dict.fromkeys(("model.layers.0", "model.layers.1"))
+        saved, peak = steps.fake_step(model, example, rules, precision, "cuda",
+                                      window_peaks=windows)
+        got.append((saved.by_module, saved.total, peak, windows))
+    assert got[0] == got[1]
+    assert None not in got[0][3].values()

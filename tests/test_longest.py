@@ -4,12 +4,14 @@ answer plus one step does not, and the steps priced there are real CPU steps' to
 
 import json
 import os
+import re
 import sys
 
 import pytest
 
 from actdesign import ActdesignError
 from actdesign.runtime import estimate, models
+from actdesign.runtime.apply import policy as P
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import run_cli  # noqa: E402
@@ -128,3 +130,66 @@ def test_the_peak_says_how_much_of_it_the_forward_kept():
     assert none.peak_kept_bytes > 0.9 * none.saved_bytes
     assert llm.peak_kept_bytes > 0.5 * llm.saved_bytes
     assert offloaded.peak_kept_bytes < 0.1 * llm.peak_kept_bytes
+
+
+def bisected(needed, size, step, cap=None):
+    """The search as it was: doubling from one step, then bisecting, in whole steps."""
+    top = (cap or 2**31) // step * step
+    if needed(step) > size:
+        return 0
+    low, high = step, None
+    while high is None:
+        if low * 2 > top:
+            if top == low or needed(top) <= size:
+                return top
+            high = top
+        elif needed(low * 2) <= size:
+            low *= 2
+        else:
+            high = low * 2
+    while high - low > step:
+        middle = low + (high - low) // step // 2 * step
+        if needed(middle) <= size:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+TILED = {"rules": [{"target": "glu", "apply": "msglu", "tile": 24},
+                   {"target": "head", "apply": "fused_ce", "chunk_size": 40},
+                   *P.load("llm").to_dict()["rules"]]}
+
+
+@pytest.mark.parametrize("name, policy, dimension, step, checkpointing", [
+    ("llama-tiny", "none", "seq", 16, False), ("llama-tiny", TILED, "seq", 8, False),
+    ("gpt2-tiny", "llm", "seq", 16, True), ("llama-tiny", "llm+offload", "batch", 1, False)])
+def test_the_search_answers_as_bisection_does(name, policy, dimension, step, checkpointing):
+    """Against the doubling and bisection it replaced, over fresh estimates: the same answer
+    for sizes across the range, in fewer shape-only steps."""
+    fresh = {}
+
+    def needed(value):
+        if value not in fresh:
+            batch, seq = (1, value) if dimension == "seq" else (value, 16)
+            fresh[value] = priced(name, batch, seq, policy, checkpointing).needed_bytes
+        return fresh[value]
+
+    base = needed(step)
+    for extra in (0, 1, 3, 7, 20):
+        size = base + extra * MiB // (4 if dimension == "batch" else 1)
+        row = priced(name, 1, 16, policy, checkpointing, size, longest=dimension, step=step)
+        (answer,) = row.longest.values()
+        cap = 1024 if name == "gpt2-tiny" else None
+        assert answer.value == bisected(needed, size, step, cap), (extra, answer)
+        assert answer.steps <= 12
+
+
+def test_a_long_search_says_each_value_it_prices(capsys):
+    code, _, err = run_cli(capsys, "estimate", "--model", "llama-tiny", "--batch", "1",
+                           "--precision", "fp32", "-p", "llm", "--max-seq", "--gpu-memory",
+                           "1.03GiB", "--step", "128")
+    lines = [line for line in err.splitlines() if "with margins" in line]
+    assert code == 0 and len(lines) >= 3
+    assert all(re.search(r"\] llm: seq [\d,]+: [\d.,]+ GiB with margins, (fits|does not "
+                         r"fit)$", line) for line in lines), lines

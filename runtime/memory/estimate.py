@@ -22,6 +22,7 @@ their CUDA kernels allocate (`kernels="cuda"`, the default) or what their CPU pa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 
@@ -163,9 +164,16 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
 
 
 def _priced(setup: _Setup, name, policy, say, built) -> Row:
-    """`_estimate_fake`, its failures one line each."""
+    """The row of one shape-only step at the setup's shape."""
+    with _failures(setup), _pricing(setup, name, policy, say, built) as price:
+        return price(setup)
+
+
+@contextlib.contextmanager
+def _failures(setup: _Setup):
+    """A step's failures, one line each."""
     try:
-        return _estimate_fake(setup, name, policy, say, built)
+        yield
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
         raise ActdesignError(f"model {setup.name!r} cannot be estimated: it reads the "
                              f"values of a tensor ({exc.func}), which fake tensors do not "
@@ -178,29 +186,41 @@ def _priced(setup: _Setup, name, policy, say, built) -> Row:
 
 def _searched(setup: _Setup, name, policy, say, built, dimension, step, sizes) -> Row:
     """The row at the longest `dimension` that fits the first size, with every size's
-    answer (`Row.longest`)."""
-    cap = sequence_cap(setup) if dimension == "seq" else None
-    if cap is not None and step > cap:
-        raise ActdesignError(f"the search's step {step:,} is longer than the {cap:,} positions "
-                             f"model {setup.name!r} learned: give a smaller --step")
+    answer (`Row.longest`): one model built and compressed, its step priced at each value
+    the search asks for (`search.longest`)."""
     priced = {}
+    with _failures(setup), _pricing(setup, name, policy, say, built) as price:
+        cap = sequence_cap(setup, price.model) if dimension == "seq" else None
+        if cap is not None and step > cap:
+            raise ActdesignError(f"the search's step {step:,} is longer than the {cap:,} "
+                                 f"positions model {setup.name!r} learned: give a smaller "
+                                 "--step")
 
-    def price(value) -> Row:
-        if value not in priced:
-            say(f"{name}: {dimension} {value:,}")
-            priced[value] = _priced(replace(setup, **{dimension: value}), name, policy,
-                                    lambda message: None, built)
-        return priced[value]
+        def row(value) -> Row:
+            if value not in priced:
+                priced[value] = price(replace(setup, **{dimension: value}), quiet=True)
+            return priced[value]
 
-    answers = {given: longest(price, size, dimension, step, cap) for given, size in sizes}
+        answers = {}
+        for given, size in sizes:
+            say(f"{name}: the longest {dimension} within {given}")
+            answers[given] = longest(lambda value: row(value).needed_bytes, size, dimension,
+                                     step, cap, lambda message: say(f"{name}: {message}"))
+        first = next(iter(answers.values()))
+        found = row(first.value or step)
     for answer in answers.values():
         answer.steps = len(priced)
-    first = next(iter(answers.values()))
-    return replace(price(first.value or step), longest=answers)
+    return replace(found, longest=answers)
 
 
-def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, built: dict) -> Row:
-    with shapes_only(setup.kernels) as mode:
+class _Pricing:
+    """One policy's model on fake tensors, built and compressed once, whose training step is
+    priced at any shape: called with a setup, the row of one step at its batch and sequence.
+    Each step starts from the state compress left (every module's attributes as they were,
+    no gradients), so it prices what a fresh model's step would."""
+
+    def __init__(self, setup: _Setup, name, policy, say, built, mode):
+        self.setup, self.name, self.policy, self.say, self.mode = setup, name, policy, say, mode
         if setup.module is not None:
             model = setups.fake_copy(setup.module, mode, setup.precision, setup.lora)
         else:
@@ -211,22 +231,43 @@ def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, built: d
             compress(model, policy)
         if setup.checkpointing:
             setups.with_checkpointing(setup.name, model)
-        if setup.example is None:
-            inputs = models.example_batch(model, setup.batch, setup.seq)
-        else:
-            with unset_fake_temporarily():
-                inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor)
-                                  else t, setup.example)
-        if setup.precision == "bf16":
-            inputs = _to(inputs, "cpu", torch.bfloat16)
-        weights = distinct((*model.parameters(), *model.buffers()))
-        trainable = distinct(p for p in model.parameters() if p.requires_grad)
-        quantized = setups.quantized(model) if setup.four_bit else {}
-        in_flight = setups.in_flight(model) if setup.cpu_offload else 0
-        say("one training step")
-        peaks = {}
-        with host_bytes() as host:
-            saved, peak = step(model, inputs, setup.precision, peaks=peaks)
+        self.model = model
+        self.state = [(m, dict(vars(m))) for m in model.modules()]
+
+    def __call__(self, setup: _Setup, quiet: bool = False) -> Row:
+        for m, state in self.state:
+            vars(m).clear()
+            vars(m).update(state)
+        self.model.zero_grad(set_to_none=True)
+        return _estimate_fake(setup, self.name, self.policy,
+                              (lambda message: None) if quiet else self.say, self.model,
+                              self.mode)
+
+
+@contextlib.contextmanager
+def _pricing(setup: _Setup, name, policy, say, built):
+    with shapes_only(setup.kernels) as mode:
+        yield _Pricing(setup, name, policy, say, built, mode)
+
+
+def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, model, mode) -> Row:
+    """The row of one training step of `model` (on fake tensors of `mode`) at `setup`'s shape."""
+    if setup.example is None:
+        inputs = models.example_batch(model, setup.batch, setup.seq)
+    else:
+        with unset_fake_temporarily():
+            inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor)
+                              else t, setup.example)
+    if setup.precision == "bf16":
+        inputs = _to(inputs, "cpu", torch.bfloat16)
+    weights = distinct((*model.parameters(), *model.buffers()))
+    trainable = distinct(p for p in model.parameters() if p.requires_grad)
+    quantized = setups.quantized(model) if setup.four_bit else {}
+    in_flight = setups.in_flight(model) if setup.cpu_offload else 0
+    say("one training step")
+    peaks = {}
+    with host_bytes() as host:
+        saved, peak = step(model, inputs, setup.precision, peaks=peaks)
     nbytes = {k: t.untyped_storage().nbytes() for k, t in weights.items()}
     grads = [nbytes[k] for k in trainable]
     weights_bytes = sum(nbytes.values())
