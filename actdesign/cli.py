@@ -146,6 +146,7 @@ def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out, 
         _report(*recalled, out)
         return
 
+    from . import builtin_tables
     from . import spec as spec_mod
     from .activation import resolve
     from .report import describe
@@ -156,7 +157,8 @@ def fit(activation, bits, kind, weight, tail_tol, mean, std, domain, grid, out, 
     unweighted = kind == "pwl" and (weight, mean, std, domain) == (None,) * 4
     w = None if unweighted else _weight(weight or "normal", mean, std, domain)
     request = fit_cache.request(act, bits, kind, w, grid, tail_tol if kind == "pwl" else None)
-    spec = None if no_cache else fit_cache.load(request)
+    spec = None if no_cache else fit_cache.load(request) or builtin_tables.for_request(
+        act, bits, kind, w, grid, tail_tol)
     if spec is not None:
         text = describe(spec)
         fit_cache.remember(options, request, text)

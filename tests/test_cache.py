@@ -37,9 +37,10 @@ def _train_op(ops):
 
 
 def test_the_cache_is_private_under_umask_000(fresh_cache, make_spec):
+    """A table no preset uses (5 bits: none shipped) is fitted and cached."""
     old = os.umask(0)
     try:
-        tables.table("stepwise", "gelu", 3)
+        tables.table("stepwise", "gelu", 5)
         _train_op(runtime.load(make_spec(seed=101)))
     finally:
         os.umask(old)
@@ -56,7 +57,7 @@ def test_a_cache_directory_writable_by_others_is_refused_with_the_fix(fresh_cach
     with pytest.raises(ActdesignError, match=f"writable by others: run chmod 700 '{fresh_cache}'"):
         runtime.load(make_spec(seed=102))
     with pytest.raises(ActdesignError, match="writable by others"):
-        tables.table("stepwise", "gelu", 3)
+        tables.table("stepwise", "gelu", 5)
     fresh_cache.chmod(0o700)
     runtime.load(make_spec(seed=102))
 
@@ -122,14 +123,14 @@ def test_tampered_op_modules_and_planted_numba_pickles_never_run(fresh_cache, tm
 
 
 def test_a_hand_edited_table_is_fitted_again(fresh_cache, monkeypatch):
-    spec = tables.table("stepwise", "gelu", 3)
+    spec = tables.table("stepwise", "gelu", 5)
     (path,) = (fresh_cache / "tables").glob("*.json")
     text = path.read_text()
     assert text.count(repr(spec.levels[0])) == 1
     path.write_text(text.replace(repr(spec.levels[0]), repr(spec.levels[0] + 0.5)))
     monkeypatch.setattr(tables, "_MEMO", {})
     with pytest.warns(UserWarning, match="regenerating the corrupted cache file"):
-        again = tables.table("stepwise", "gelu", 3)
+        again = tables.table("stepwise", "gelu", 5)
     assert again.levels == spec.levels
     assert path.read_text().count(repr(spec.levels[0])) == 1  # rewritten
 
@@ -146,7 +147,7 @@ import sys, time
 time.sleep(float(sys.argv[1]))
 from actdesign import runtime
 from actdesign.runtime.ops.tables import table
-print(runtime.load(table("pwl", "gelu", 2)).__name__)
+print(runtime.load(table("stepwise", "gelu", 6)).__name__)
 """
 
 

@@ -273,11 +273,14 @@ def test_commands_import_only_what_they_use(tmp_path):
 
     spec = str(tmp_path / "g.json")
     assert _modules_after(command("list"), tmp_path) == []
-    # A built-in's fit needs numba for the DP, never sympy; its repeat is a file read.
+    # A built-in's table the presets use is shipped: a file read. Another one needs numba
+    # for the DP, never sympy; its repeat is a file read.
     assert _modules_after(command("fit", "gelu", "--bits", "3", "--out", spec), tmp_path) \
-        == ["numba"]
+        == []
+    assert _modules_after(command("fit", "gelu", "--bits", "5", "--out", spec, "--force"),
+                          tmp_path) == ["numba"]
     # The same command again reads the table and the text it printed: not even numpy.
-    assert _modules_after(command("fit", "gelu", "--bits", "3", "--out", spec, "--force"),
+    assert _modules_after(command("fit", "gelu", "--bits", "5", "--out", spec, "--force"),
                           tmp_path, HEAVY + ("numpy", "scipy")) == []
     assert (tmp_path / "cache" / "fits").is_dir()
     assert _modules_after(command("show", spec), tmp_path) == []

@@ -32,7 +32,8 @@ def fits(tmp_path, monkeypatch):
 
 def _fit(capsys, tmp_path, *options):
     out = tmp_path / "s.json"
-    code, text, err = run(capsys, "fit", "gelu", "--bits", "2", "--out", str(out), *options)
+    # 5 bits: a table no preset uses, so none is shipped and a fit runs
+    code, text, err = run(capsys, "fit", "gelu", "--bits", "5", "--out", str(out), *options)
     assert code == 0, err
     return text, out.read_text()
 
@@ -105,7 +106,7 @@ def test_a_repeated_command_is_recalled_with_the_same_file_and_text(capsys, tmp_
     assert len(calls) == 1 and len(list(commands.iterdir())) == 1
     assert _fit(capsys, tmp_path) == first and len(calls) == 1
     other = tmp_path / "t.json"
-    code, text, _ = run(capsys, "fit", "gelu", "--bits", "2", "--out", str(other))
+    code, text, _ = run(capsys, "fit", "gelu", "--bits", "5", "--out", str(other))
     assert code == 0 and text == first[0].replace(str(tmp_path / "s.json"), str(other))
     assert other.read_text() == first[1]
     assert _fit(capsys, tmp_path, "--std", "1") == first and len(calls) == 1  # same table
@@ -122,7 +123,7 @@ def test_a_damaged_command_entry_falls_back_to_the_whole_path(capsys, tmp_path, 
     if damage == "text edited, fit entry kept":  # recalled as edited: the text is the
         entry["text"] = "edited"                  # command's own, and a new fit rewrites it
         command.write_text(json.dumps(entry))
-        code, text, _ = run(capsys, "fit", "gelu", "--bits", "2", "--out",
+        code, text, _ = run(capsys, "fit", "gelu", "--bits", "5", "--out",
                             str(tmp_path / "s.json"), "--force")
         assert text.startswith(f"{tmp_path / 's.json'}: edited") and len(calls) == 1
         again = _fit(capsys, tmp_path, "--no-cache")  # fitted anew, made later

@@ -1,4 +1,5 @@
-"""Built-in tables: fitted on first use, then read from the cache directory.
+"""Built-in tables: the shipped ones (`actdesign.builtin_tables`: what the presets and the
+planner use), else fitted on first use, then read from the cache directory.
 
 `table("stepwise", "gelu", 3)` is the optimal 3-bit table for GELU' under N(0, 1);
 `table("pwl", "gelu", 2)` is the 2-bit piecewise-linear fit (ReGELU2's problem, unweighted).
@@ -12,7 +13,7 @@ import hashlib
 import json
 import threading
 
-from actdesign import __version__
+from actdesign import __version__, builtin_tables
 from actdesign import spec as spec_mod
 from actdesign.errors import ActdesignError
 
@@ -31,6 +32,9 @@ def table(kind: str, activation: str, bits: int) -> spec_mod.Spec:
 
 
 def _cached(kind, activation, bits) -> spec_mod.Spec:
+    shipped = builtin_tables.shipped(kind, activation, bits)
+    if shipped is not None:
+        return shipped
     digest = hashlib.sha256(json.dumps([kind, activation, bits, __version__]).encode())
     folder = private_dir(private_dir(cache_dir()) / "tables")
     path = folder / f"{kind}_{activation}_{bits}b_{digest.hexdigest()[:16]}.json"
