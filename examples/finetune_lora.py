@@ -17,10 +17,10 @@ slowly over a long run.
 from __future__ import annotations
 
 import copy
+import logging
 import tempfile
 import warnings
 
-import peft
 import torch
 import toy_lm
 import transformers
@@ -28,6 +28,9 @@ import transformers
 from actdesign.runtime import compress, models
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# bitsandbytes, which PEFT and transformers' Trainer import, warns that it cannot fetch an
+# optional CPU kernel from the Hub: nothing here uses it
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 class LossLog(transformers.TrainerCallback):
@@ -56,6 +59,8 @@ def base_model(steps: int, batch: int, seq: int, seed: int):
 
 def lora_model(base, rank: int, seed: int):
     """A copy of `base` with LoRA adapters on all seven projections; PEFT freezes the rest."""
+    import peft  # here: after the line that quiets bitsandbytes
+
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.05,
                              target_modules=TARGETS, task_type="CAUSAL_LM")
     torch.manual_seed(seed)  # PEFT draws the adapters' A from torch's generator

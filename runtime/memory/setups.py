@@ -6,6 +6,8 @@ weights (`quantized`) and FSDP2's units in flight with CPU offload (`in_flight`)
 from __future__ import annotations
 
 import copy
+import logging
+import warnings
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -53,6 +55,9 @@ def _converted(model, name, precision, lora):
 def with_lora(name, model, lora):
     """PEFT LoRA adapters of rank `lora` on every Linear layer but the head (alpha 2 x rank,
     no dropout), or as `lora` says, a peft.LoraConfig."""
+    # bitsandbytes, which PEFT imports, warns that it cannot fetch an optional CPU kernel from
+    # the Hub: a download actdesign never makes, and nothing a user can act on
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         import peft
     except ImportError:
@@ -60,7 +65,10 @@ def with_lora(name, model, lora):
     config = lora if isinstance(lora, peft.LoraConfig) else peft.LoraConfig(
         r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules="all-linear")
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # PEFT reads a property by transformers' old name
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                    FutureWarning)
+            return peft.get_peft_model(model, config)
     except ValueError as exc:
         raise ActdesignError(f"model {name!r}: PEFT cannot add LoRA adapters: "
                              f"{str(exc).splitlines()[0]}") from None
