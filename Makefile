@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 OUT := out
 
-.PHONY: install demo test lint docs docs-serve bench clean
+.PHONY: install demo test test-busy lint docs docs-serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest -q
+
+test-busy: $(STAMP)  # the suite beside two busy loops: a loaded machine fails no test
+	bash tests/busy.sh $(BIN)/pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

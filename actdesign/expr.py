@@ -349,16 +349,18 @@ class _Expired(BaseException):  # not an Exception: sympy's broad handlers must 
 
 @contextlib.contextmanager
 def time_limit(seconds: float, message: str):
-    """Raise TooSlow(message) if the block runs longer than `seconds`.
+    """Raise TooSlow(message) if the block takes more than `seconds` of this process's CPU
+    time: the same bound on a quiet machine and on a busy one, where wall time would let
+    other processes decide what an expression is allowed.
 
-    It needs SIGALRM, so it bounds the main thread only; elsewhere the block runs unbounded.
-    An alarm set by the caller that comes first is left to fire; a later one is re-armed.
+    It needs SIGPROF, so it bounds the main thread only; elsewhere the block runs unbounded.
+    A bound set by the caller that comes first is left to fire; a later one is re-armed.
     """
-    outer = signal.getsignal(signal.SIGALRM) if hasattr(signal, "setitimer") else None
+    outer = signal.getsignal(signal.SIGPROF) if hasattr(signal, "setitimer") else None
     if outer is None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_PROF)
     if outer_left and outer_left <= seconds:
         yield
         return
@@ -370,23 +372,23 @@ def time_limit(seconds: float, message: str):
         if info.exc_type is not _Expired:
             hook(info)
 
-    start, hook = time.monotonic(), sys.unraisablehook
-    signal.signal(signal.SIGALRM, expire)
+    start, hook = time.process_time(), sys.unraisablehook
+    signal.signal(signal.SIGPROF, expire)
     sys.unraisablehook = unraisable
     try:  # armed inside: a bound shorter than a bytecode fires in here too
         # Repeats: Python drops an exception raised while it runs a weakref callback or
         # __del__, so one alarm alone can be lost and the block run on unbounded.
-        signal.setitimer(signal.ITIMER_REAL, seconds, _REPEAT_SECONDS)
+        signal.setitimer(signal.ITIMER_PROF, seconds, _REPEAT_SECONDS)
         yield
     except _Expired:
         raise TooSlow(message) from None
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, outer)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, outer)
         sys.unraisablehook = hook
         if outer_left:
-            left = outer_left - (time.monotonic() - start)
-            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-6), outer_interval)
+            left = outer_left - (time.process_time() - start)
+            signal.setitimer(signal.ITIMER_PROF, max(left, 1e-6), outer_interval)
 
 
 def _syntax_depth(tree: ast.AST) -> int:

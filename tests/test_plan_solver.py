@@ -3,9 +3,9 @@ and the LP bound on a 32-block one, its speed, and its infeasibility messages.""
 
 import itertools
 import math
+import os
 import re
-import statistics
-import time
+import sys
 
 import numpy as np
 import pytest
@@ -24,6 +24,9 @@ from actdesign.designer.plan import (
     solve,
 )
 from actdesign.errors import ActdesignError
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bounds import within as bounded  # noqa: E402
 
 
 def small_problem(rng, grid):
@@ -165,17 +168,14 @@ def test_large_problem_is_locally_optimal_and_above_the_lp_bound(large, scale):
     assert 0 < bound <= plan.error
 
 
-def test_large_problem_speed(large):
+def test_a_large_problem_is_solved_in_bounded_time(large):
+    """32 blocks x 8 sites x 12 options, at ten budgets: each a plan within the budget, in
+    at most 10 s of CPU time (its speed on a card's problem is benchmarks/plan.py's)."""
     problem, least = large
-    seconds = []
     for budget in np.geomspace(least, 2.5 * least, 10).astype(np.int64):
-        start = time.perf_counter()
-        plan = solve(problem, int(budget), MAX_TIME)
-        seconds.append(time.perf_counter() - start)
+        with bounded(10.0, f"budget {budget}"):
+            plan = solve(problem, int(budget), MAX_TIME)
         assert within(plan, budget, MAX_TIME)
-    print(f"32 blocks x 8 sites x 12 options: median {statistics.median(seconds):.2f} s, "
-          f"max {max(seconds):.2f} s")
-    assert max(seconds) < 10
 
 
 def test_smallest_budget_is_accepted_and_one_byte_less_refused(large):
