@@ -204,8 +204,8 @@ def _searched(setup: _Setup, name, policy, say, built, dimension, step, sizes) -
         answers = {}
         for given, size in sizes:
             say(f"{name}: the longest {dimension} within {given}")
-            answers[given] = longest(lambda value: row(value).needed_bytes, size, dimension,
-                                     step, cap, lambda message: say(f"{name}: {message}"))
+            answers[given] = longest(row, size, dimension, step, cap,
+                                     lambda message: say(f"{name}: {message}"))
         first = next(iter(answers.values()))
         found = row(first.value or step)
     for answer in answers.values():

@@ -30,25 +30,35 @@ class Longest:
                 "steps_run": self.steps}
 
 
-def longest(needed, size: int, dimension: str, step: int, cap: int | None,
+def longest(price, size: int, dimension: str, step: int, cap: int | None,
             say=None) -> Longest:
-    """The largest multiple of `step`, up to `cap`, whose step's total with margins
-    (`needed(value)`, a shape-only step) is within `size`. Exact at the boundary: the answer
-    was priced and fits, the answer plus one step was priced and does not. It assumes what a
-    step needs grows with the dimension (more tokens hold more), as it does for every model
-    here, and uses the shape of that growth: nearly affine over long ranges, so the value a
-    line through the nearest priced values puts at `size` is most often the answer or a
-    step from it. Each guess stays strictly inside the bracket of the largest value known to
-    fit and the smallest known not to, and every other guess halves that bracket when the
-    line alone would shrink it slower, so the search never takes many more steps than
-    bisection would (about log2 of the answer in steps) and most often takes five or six.
-    `say(message)` hears each value priced."""
+    """The largest multiple of `step`, up to `cap`, whose step's total with margins (the
+    `needed_bytes` of `price(value)`, a shape-only step's row) is within `size`. Exact at the
+    boundary: the answer was priced and fits, the answer plus one step was priced and does
+    not. It assumes what a step needs grows with the dimension (more tokens hold more), as it
+    does for every model here, and uses the shape of that growth: nearly affine over long
+    ranges, so the value a line through the nearest priced values puts at `size` is most
+    often the answer or a step from it. Each guess stays strictly inside the bracket of the
+    largest value known to fit and the smallest known not to, and every other guess halves
+    that bracket when the line alone would shrink it slower, so the search never takes many
+    more steps than bisection would (about log2 of the answer in steps) and most often takes
+    four or five. `say(message)` hears each value priced."""
+    fits, over = {}, {}  # value -> bytes with margins, of the values that fit and do not
+
+    def measure(value):
+        needed = price(value).needed_bytes
+        (fits if needed <= size else over)[value] = needed
+        if say is not None:
+            say(f"{dimension} {value:,}: {needed / 2**30:,.2f} GiB with margins, "
+                + ("fits" if needed <= size else "does not fit"))
+
     limit = min(cap or _LARGEST, _LARGEST)
     top = limit // step * step
-    if top < step or needed(step) > size:
-        return Longest(dimension, step, 0, None, needed(step) if top >= step else None, cap)
-    fits = {step: needed(step)}  # value -> bytes, of the values that fit
-    over = {}  # of the values that do not
+    if top < step:
+        return Longest(dimension, step, 0, None, None, cap)
+    measure(step)
+    if over:
+        return Longest(dimension, step, 0, None, over[step], cap)
     halve = False
     while True:
         low = max(fits)
@@ -58,21 +68,18 @@ def longest(needed, size: int, dimension: str, step: int, cap: int | None,
         if low == top:
             return Longest(dimension, step, top, fits[top], None, cap or limit)
         guess = _bisected(low, high, step, top) if halve else \
-            _extrapolated(fits, over, size, step, top)
-        guess = min(max(guess, low + step), top if high is None else high - step)
-        value = needed(guess)
-        (fits if value <= size else over)[guess] = value
-        if say is not None:
-            say(f"{dimension} {guess:,}: {value / 2**30:,.2f} GiB with margins, "
-                + ("fits" if value <= size else "does not fit"))
+            _extrapolated(fits, over, size, step, top, price(low))
+        measure(min(max(guess, low + step), top if high is None else high - step))
         # the line's guess halves the bracket or better, or the next guess halves it
         halve = not halve and high is not None and not (
             min(over, default=high) - max(fits) <= (high - low) // 2)
 
 
-def _extrapolated(fits, over, size, step, top) -> int:
+def _extrapolated(fits, over, size, step, top, row) -> int:
     """The largest multiple of `step` a line through the two priced values nearest the
-    boundary puts within `size` (two steps up, or twice the value, where there is no line)."""
+    boundary puts within `size`. From one value alone (`row`, its row), the line through it
+    and the part of the total that does not grow (weights, gradients, optimizer state, the
+    card's context): no steeper than the total grows, it guesses short of the answer."""
     low = max(fits)
     high = min(over, default=None)
     if high is not None:
@@ -81,7 +88,8 @@ def _extrapolated(fits, over, size, step, top) -> int:
         a = max(v for v in fits if v != low)
         (a, na), (b, nb) = (a, fits[a]), (low, fits[low])
     else:
-        return min(2 * low, top)
+        fixed = row.total_bytes - row.peak_bytes + (row.margins.context if row.margins else 0)
+        (a, na), (b, nb) = (0, fixed), (low, fits[low])
     if nb <= na:  # flat where priced: no line to follow
         return min(2 * low, top) if high is None else (low + high) // 2 // step * step
     at = a + (size - na) * (b - a) / (nb - na)
