@@ -203,7 +203,8 @@ def _searched(setup: _Setup, name, policy, say, built, dimension, step, sizes) -
 
         answers = {}
         for given, size in sizes:
-            say(f"{name}: the longest {dimension} within {given}")
+            what = "longest sequence" if dimension == "seq" else "largest batch"
+            say(f"{name}: the {what} within {given}")
             answers[given] = longest(row, size, dimension, step, cap,
                                      lambda message: say(f"{name}: {message}"))
         first = next(iter(answers.values()))
