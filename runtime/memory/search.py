@@ -39,10 +39,11 @@ def longest(price, size: int, dimension: str, step: int, cap: int | None,
     does for every model here, and uses the shape of that growth: nearly affine over long
     ranges, so the value a line through the nearest priced values puts at `size` is most
     often the answer or a step from it. Each guess stays strictly inside the bracket of the
-    largest value known to fit and the smallest known not to; where a guess of the line
-    comes no nearer `size` than half as near as the end it replaces (the total curves
-    there), the next one halves the bracket. So the search never takes many more steps than
-    bisection would (about log2 of the answer in steps) and most often takes four or five.
+    largest value known to fit and the smallest known not to; where, inside a bracket, a
+    guess of the line comes no nearer `size` than half as near as the end it replaces (the
+    total curves there), the next one halves the bracket. So the search never takes many
+    more steps than bisection would (about log2 of the answer in steps) and most often takes
+    four to six.
     `say(message)` hears each value priced."""
     fits, over = {}, {}  # value -> bytes with margins, of the values that fit and do not
 
@@ -74,7 +75,7 @@ def longest(price, size: int, dimension: str, step: int, cap: int | None,
         measure(guess)
         landed, replaced = (fits[guess], fits[low]) if guess in fits else \
             (over[guess], over.get(high))
-        halve = not halve and replaced is not None \
+        halve = not halve and high is not None \
             and abs(landed - size) > abs(replaced - size) / 2
 
 
