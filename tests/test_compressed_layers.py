@@ -138,5 +138,40 @@ def test_refusals():
         SparseLinear(4, 4, ratio=1.0)
     with pytest.raises(ActdesignError, match="needs an nn.Linear"):
         SparseLinear.from_module(nn.Conv2d(1, 1, 1))
-    with pytest.raises(ActdesignError, match="numeric zero padding"):
-        SparseConv2d(2, 2, 3, padding="same")
+
+
+CONVS = [  # (padding, padding mode, kernel, dilation, groups, stride, bias)
+    (1, "zeros", (3, 3), 1, 1, 2, True), ((1, 2), "zeros", (3, 5), 2, 4, 1, False),
+    ("same", "zeros", (2, 2), 1, 1, 1, True), ("same", "zeros", (3, 5), 2, 8, 1, False),
+    ("valid", "zeros", (3, 3), 1, 1, 1, True), (1, "reflect", (3, 3), 1, 4, 2, False),
+    ((1, 2), "replicate", (2, 2), 1, 1, 1, True), ("same", "reflect", (2, 2), 1, 4, 1, True),
+    (1, "circular", (3, 5), 2, 1, 1, False), ("same", "circular", (3, 3), 1, 8, 1, True)]
+
+
+@pytest.mark.parametrize("padding, mode, kernel, dilation, groups, stride, bias", CONVS)
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_a_lean_conv_is_eager_conv_bit_for_bit(padding, mode, kernel, dilation, groups, stride,
+                                               bias, channels_last, precision):
+    """Every padding nn.Conv2d takes (numbers, "same", "valid"; zeros, reflect, replicate,
+    circular), dilation, groups and stride: the output and all three gradients, values and
+    memory format, are eager's."""
+    from actdesign.runtime.ops.compressed import LeanConv2d
+
+    torch.manual_seed(0)
+    ref = nn.Conv2d(8, 8, kernel, stride, padding, dilation, groups, bias, mode)
+    ours = LeanConv2d.from_module(ref)
+    x = torch.randn(2, 8, 11, 12)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    got = []
+    for m in (ref, ours):
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+            y = m(xi)
+        y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype))
+        got.append([t for t in (y, xi.grad, m.weight.grad, m.bias.grad if bias else None)
+                    if t is not None])
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride()

@@ -78,17 +78,12 @@ class _CompressedInput(torch.autograd.Function):
     def backward(ctx, g):
         weight, *saved = ctx.saved_tensors
         layer = ctx.layer
-        grad_x = grad_w = grad_b = None
+        needs = (*ctx.needs_input_grad[:2], ctx.has_bias and ctx.needs_input_grad[2])
         with autocast_off(g.device.type):  # as in the forward
             cast = weight.to(ctx.weight_dtype)
-            if ctx.needs_input_grad[0]:
-                grad_x = layer.input_grad(ctx.shape, cast, g)
-            if ctx.needs_input_grad[1]:
-                x = restore(saved, ctx.how, layer, ctx.shape, ctx.dtype)
-                grad_w = layer.weight_grad(x, cast, g).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(tuple(i for i in range(g.dim()) if i != layer.channel_dim(g)))
-        return grad_x, grad_w, grad_b, None, None
+            x = restore(saved, ctx.how, layer, ctx.shape, ctx.dtype) if needs[1] else None
+            grad_x, grad_w, grad_b = layer.gradients(x, ctx.shape, cast, g, needs)
+        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), grad_b, None, None
 
 
 class CompressedLinear(nn.Linear):
@@ -116,6 +111,14 @@ class CompressedLinear(nn.Linear):
         y = F.linear(x.reshape(-1, x.shape[-1]), weight.T if self.transposed else weight, bias)
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
+    def gradients(self, x, shape, weight, g, needs):
+        """(input, weight, bias) gradients, each where `needs` asks; `x` is the input, restored
+        (None where the weight's gradient is not wanted)."""
+        grad_x = self.input_grad(shape, weight, g) if needs[0] else None
+        grad_w = self.weight_grad(x, weight, g) if needs[1] else None
+        grad_b = g.sum(tuple(range(g.dim() - 1))) if needs[2] else None
+        return grad_x, grad_w, grad_b
+
     def input_grad(self, shape, weight, g):
         return g @ (weight.T if self.transposed else weight)
 
@@ -123,25 +126,21 @@ class CompressedLinear(nn.Linear):
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         return x2.T @ g2 if self.transposed else g2.T @ x2
 
-    @staticmethod
-    def channel_dim(g):
-        return g.dim() - 1
-
     def extra_repr(self):
         return super().extra_repr() + (", transposed" if self.transposed else "")
 
 
 class CompressedConv2d(nn.Conv2d):
-    """The Conv2d half: stride, padding (numeric, zeros), dilation and groups."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.padding_mode != "zeros" or isinstance(self.padding, str):
-            raise ActdesignError(f"{type(self).__name__} supports numeric zero padding only")
+    """The Conv2d half: nn.Conv2d's own padding (numbers, "same" or "valid"; zeros, reflect,
+    replicate or circular), stride, dilation and groups. The gradients come from one
+    convolution_backward over the padded input, as eager's autograd takes them, and then the
+    padding's own backward: bit for bit eager's, channels_last too."""
 
     def forward(self, x):
         if x.dim() != 4:
             raise ValueError(f"{type(self).__name__} expects (N, C, H, W), got {tuple(x.shape)}")
+        if self.padding_mode != "zeros":  # nn.Conv2d pads first, in x's own dtype
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
         return compressed_call(self, x, self.weight, self.bias)
 
     @classmethod
@@ -155,19 +154,37 @@ class CompressedConv2d(nn.Conv2d):
         return new
 
     def dense_forward(self, x, weight, bias):
-        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+        padded, padding = self.padded(x)
+        return F.conv2d(padded, weight, bias, self.stride, padding, self.dilation, self.groups)
 
-    def input_grad(self, shape, weight, g):
-        return torch.nn.grad.conv2d_input(shape, weight, g, self.stride, self.padding,
-                                          self.dilation, self.groups)
+    def padded(self, x):
+        """(x with the padding the convolution op applies first, the convolution's own
+        padding): "same" pads in the convolution, its odd row or column first, as ATen does.
+        (A padding mode other than zeros pads before, in `forward`, as nn.Conv2d does.)"""
+        if self.padding_mode != "zeros" or self.padding == "valid":
+            return x, (0, 0)
+        if self.padding != "same":
+            return x, self.padding
+        left, pad = [], [0, 0, 0, 0]  # F.pad's order: width first
+        for i, (size, dilation) in enumerate(zip(self.kernel_size, self.dilation, strict=True)):
+            total = dilation * (size - 1)
+            left.append(total // 2)
+            pad[2 * (1 - i) + 1] = total - 2 * (total // 2)  # the extra row or column, after
+        return (F.pad(x, pad) if any(pad) else x), tuple(left)
 
-    def weight_grad(self, x, weight, g):
-        return torch.nn.grad.conv2d_weight(x, weight.shape, g, self.stride, self.padding,
-                                           self.dilation, self.groups)
-
-    @staticmethod
-    def channel_dim(g):
-        return 1
+    def gradients(self, x, shape, weight, g, needs):
+        need_x, need_w, need_b = needs
+        source = x if x is not None else torch.zeros((), dtype=g.dtype,
+                                                     device=g.device).expand(shape)
+        with torch.enable_grad():  # the padding's backward is autograd's own
+            leaf = source.detach().requires_grad_(need_x)
+            padded, padding = self.padded(leaf)
+        grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+            g, padded.detach(), weight, [weight.shape[0]] if need_b else None, self.stride,
+            padding, self.dilation, False, [0, 0], self.groups, [need_x, need_w, need_b])
+        if need_x and padded is not leaf:
+            (grad_x,) = torch.autograd.grad(padded, leaf, grad_x)
+        return grad_x, grad_w, grad_b
 
 
 class LeanLinear(CompressedLinear):
@@ -181,3 +198,18 @@ class LeanLinear(CompressedLinear):
     @staticmethod
     def restore(saved, shape, dtype):
         return saved[0]
+
+
+class LeanConv2d(CompressedConv2d):
+    """nn.Conv2d, exact, keeping for the backward its input (or what its producer keeps in its
+    place, where it offers it) and the weight itself: under autocast no 16-bit copy of the
+    weight waits for the backward."""
+
+    @staticmethod
+    def compress(x):
+        return (x,)
+
+    @staticmethod
+    def restore(saved, shape, dtype):
+        return saved[0]
+
