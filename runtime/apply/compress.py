@@ -31,7 +31,7 @@ from ..methods import METHODS
 from ..methods.edits import Edit, apply_all, undo_all
 from ..methods.keep import Keep
 from ..methods.targets import peft_refusal, target_of
-from ..ops.draws import forked_rng
+from ..ops.draws import probing
 from ..ops.known_modules import is_lora_linear
 from . import policy as policy_mod
 from .accounting import SavedBytes, account
@@ -106,10 +106,11 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
     and, with a probe input, the bytes saved for the backward before and after. With
     `dry_run`, only the report, the probe's bytes after included (measured on the plan applied
     and then taken back): the model is as it was. If anything fails, the
-    model is as it was. The random number generators are left as they were too (the probes
-    run dropout), so the training run after compress draws what it would have drawn."""
+    model is as it was. The random number generators and the buffers a forward updates (a
+    BatchNorm's running statistics) are left as they were too (the probes run the model), so
+    the training run after compress is the one it would have been."""
     _refuse_unsupported(model)
-    with forked_rng(model):
+    with probing(model):
         planned = plan(model, policy, example_inputs)
         if dry_run and planned.run is None:
             return planned.report

@@ -25,6 +25,7 @@ from ..apply.compress import compress, match
 from ..methods.actnn import ActNN
 from ..methods.fewbit import FewBit
 from ..models import batches as batch_forms
+from ..ops.draws import probing
 from ..ops.known_modules import activation_name
 from ..ops.tables import table
 from .bits import calibrate
@@ -151,7 +152,7 @@ def _record(model, targets, fresh) -> dict:
                for name, (m, _, _) in targets.items()]
     count = 0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), probing(model):  # the model is not changed
             for batch in fresh():
                 batch_forms.call(model, batch)
                 count += 1

@@ -1,5 +1,6 @@
 """Random draws replayed: the same generator state for calls that must draw the same dropout
-masks, and the generators put back as they were after a probe."""
+masks, and the generators, and the buffers a forward updates, put back as they were after a
+probe."""
 
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ def forked_rng(model):
     the model's parameters: they are as they were when it closes."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     return torch.random.fork_rng(devices=devices)
+
+
+@contextlib.contextmanager
+def probing(model):
+    """A probe of `model` while open: the random generators (`forked_rng`) and the buffers a
+    forward updates in place (a BatchNorm's running statistics and count) are as they were
+    when it closes. A probe is not a training step."""
+    kept = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with forked_rng(model):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
 
 
 def rng_state(device):

@@ -15,7 +15,7 @@ from ...apply.compress import match
 from ...methods import METHODS, option_label
 from ...methods.checkpoint import Checkpoint
 from ...methods.targets import target_of
-from ...ops.draws import forked_rng
+from ...ops.draws import probing
 from ...ops.sharing import whole
 
 LOSSLESS = "llm"
@@ -104,7 +104,7 @@ def _inputs_read(model, layers: dict, example) -> dict:
 
     handles = [m.register_forward_pre_hook(hook(name)) for name, m in layers.items()]
     try:
-        with torch.no_grad(), forked_rng(model):
+        with torch.no_grad(), probing(model):
             models.call(model, example)
     finally:
         for h in handles:
