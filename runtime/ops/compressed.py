@@ -116,7 +116,9 @@ class CompressedLinear(nn.Linear):
         (None where the weight's gradient is not wanted)."""
         grad_x = self.input_grad(shape, weight, g) if needs[0] else None
         grad_w = self.weight_grad(x, weight, g) if needs[1] else None
-        grad_b = g.sum(tuple(range(g.dim() - 1))) if needs[2] else None
+        # the rows flattened first, as eager's addmm takes them: a permuted gradient sums in
+        # their order
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if needs[2] else None
         return grad_x, grad_w, grad_b
 
     def input_grad(self, shape, weight, g):
