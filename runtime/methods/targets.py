@@ -7,8 +7,11 @@ from torch import nn
 
 from ..ops.known_modules import (
     LORA_LINEARS,
+    MAX_POOLS,
     is_activation,
     is_causal_lm,
+    is_channel_norm,
+    is_conv2d,
     is_gated_mlp,
     is_hf_conv1d,
     is_lora_linear,
@@ -17,7 +20,8 @@ from ..ops.known_modules import (
     is_rotary_attention,
 )
 
-TARGETS = ("activation", "norm", "linear", "conv2d", "glu", "attention", "head", "block")
+TARGETS = ("activation", "norm", "linear", "conv2d", "glu", "attention", "head", "block",
+           "channel_norm", "pool")
 
 
 def peft_refusal(m: nn.Module) -> str | None:
@@ -39,9 +43,11 @@ def peft_refusal(m: nn.Module) -> str | None:
     return (f"a PEFT {type(m).__module__.split('.')[2]} adapter layer (only LoRA is "
             "supported): PEFT's own forward runs")
 def target_of(m: nn.Module, parent: nn.Module | None = None) -> str | None:
-    """'activation', 'norm', 'linear' (a PEFT LoRA layer too), 'conv2d', 'glu', 'attention'
-    (rotary), 'head' (a causal LM, whose loss and head are one), 'block' (see `is_block`;
-    `parent` holds m), or None for a module no policy touches."""
+    """'activation', 'norm' (a layer or RMS norm over the last dimension), 'channel_norm'
+    (over the channels of a map: batch, group, channels-first layer norms), 'pool' (a max
+    pool), 'linear' (a PEFT LoRA layer too), 'conv2d', 'glu', 'attention' (rotary), 'head' (a
+    causal LM, whose loss and head are one), 'block' (see `is_block`; `parent` holds m), or
+    None for a module no policy touches."""
     if is_causal_lm(m):
         return "head"
     if is_gated_mlp(m):
@@ -50,8 +56,12 @@ def target_of(m: nn.Module, parent: nn.Module | None = None) -> str | None:
         return "attention"
     if type(m) is nn.Linear or is_hf_conv1d(m) or is_lora_linear(m):
         return "linear"
-    if type(m) is nn.Conv2d:
+    if is_conv2d(m):
         return "conv2d"
+    if is_channel_norm(m):
+        return "channel_norm"
+    if type(m) in MAX_POOLS:
+        return "pool"
     if is_norm(m):
         return "norm"
     if is_activation(m):

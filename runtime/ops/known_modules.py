@@ -45,6 +45,9 @@ _HF_ACTIVATIONS = {
     "ReLUSquaredActivation": "squared_relu", "AccurateGELUActivation": "gelu_tanh",
     "BloomGelu": "gelu_tanh",  # x·(1 + tanh(0.79788456·x·(1 + 0.044715·x²)))/2
 }
+# timm.layers' activation classes that call torch's functions as a built-in does, by name
+_TIMM_ACTIVATIONS = {"GELU": "gelu", "GELUTanh": "gelu_tanh"}
+_TIMM_ACTIVATION_MODULES = ("timm.layers.activations", "timm.layers.activations_me")
 # torch.nn activations no built-in computes: targeted, so a policy's report names them.
 _OTHER_TORCH_ACTIVATIONS = (nn.PReLU, nn.RReLU, nn.Threshold, nn.Hardshrink, nn.Softshrink)
 # transformers' activation classes: those of its activations module, and by name elsewhere.
@@ -54,6 +57,8 @@ _HF_ACTIVATION_NAME = re.compile(r"(Activation|Gelu|GELU|SiLU|Swish)$")
 def activation_name(m: nn.Module) -> str | None:
     """The built-in activation a module computes, or None if it is not one we know."""
     found = _TORCH_ACTIVATIONS.get(type(m))
+    if found is None and _from_timm(m):
+        found = _TIMM_ACTIVATIONS.get(type(m).__name__)
     if found is None and _from_transformers(m):
         found = _HF_ACTIVATIONS.get(type(m).__name__)
         if type(m).__name__ == "GELUActivation" and getattr(m, "act", None) is not None \
@@ -66,10 +71,14 @@ def _from_transformers(m: nn.Module) -> bool:
     return type(m).__module__.startswith("transformers.")
 
 
+def _from_timm(m: nn.Module) -> bool:
+    return type(m).__module__ in _TIMM_ACTIVATION_MODULES
+
+
 def is_activation(m: nn.Module) -> bool:
     """An activation class, whether or not it computes a built-in (the report says why not):
-    torch's, and transformers' (its activations module, and classes named like one)."""
-    return has_builtin(m) or type(m) in _OTHER_TORCH_ACTIVATIONS or (
+    torch's, timm's, and transformers' (its activations module, and classes named like one)."""
+    return has_builtin(m) or type(m) in _OTHER_TORCH_ACTIVATIONS or _from_timm(m) or (
         _from_transformers(m) and (type(m).__module__ == "transformers.activations"
                                    or _HF_ACTIVATION_NAME.search(type(m).__name__) is not None))
 
@@ -77,7 +86,16 @@ def is_activation(m: nn.Module) -> bool:
 def has_builtin(m: nn.Module) -> bool:
     """An activation class that computes a built-in with some settings (nn.ELU, say)."""
     return type(m) in _TORCH_ACTIVATIONS or (_from_transformers(m)
-                                             and type(m).__name__ in _HF_ACTIVATIONS)
+                                             and type(m).__name__ in _HF_ACTIVATIONS) \
+        or (_from_timm(m) and type(m).__name__ in _TIMM_ACTIVATIONS)
+
+
+def is_conv2d(m: nn.Module) -> bool:
+    """An nn.Conv2d, or a subclass that computes what it does (another initialisation, say:
+    transformers' EfficientNetDepthwiseConv2d): nn.Conv2d's own forward and padding."""
+    cls = type(m)
+    return cls is nn.Conv2d or (isinstance(m, nn.Conv2d) and cls.forward is nn.Conv2d.forward
+                                and cls._conv_forward is nn.Conv2d._conv_forward)
 
 
 def is_hf_conv1d(m: nn.Module) -> bool:
@@ -102,6 +120,29 @@ def is_norm(m: nn.Module) -> bool:
         return False
     return _NORM_NAME.search(type(m).__name__) is not None \
         and any(hasattr(m, a) for a in _NORM_ATTRIBUTES)
+
+
+# Norms over the channels of (N, C, ...) maps: torch's batch and sync-batch norms (their
+# statistics over N and the rest), group norms, and other libraries' channels-first layer norms
+# and frozen batch norms, by name (or a layer norm set to data_format "channels_first").
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_CHANNEL_NORM_NAME = re.compile(r"(LayerNorm2d|FrozenBatchNorm2d)$")
+
+
+def is_channel_norm(m: nn.Module) -> bool:
+    """A norm over the channels of (N, C, ...) maps (see BATCH_NORMS above; their subclasses
+    too, timm's with the activation inside say)."""
+    if isinstance(m, nn.modules.batchnorm._BatchNorm) or type(m) is nn.GroupNorm:
+        return True
+    if type(m).__module__.startswith(("torch.", "actdesign.", "actdesign_ops_")):
+        return False
+    return _CHANNEL_NORM_NAME.search(type(m).__name__) is not None \
+        or (_NORM_NAME.search(type(m).__name__) is not None
+            and getattr(m, "data_format", None) == "channels_first")
+
+
+MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d,
+             nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
 
 
 def is_gated_mlp(m: nn.Module) -> bool:
