@@ -54,6 +54,11 @@ PRESETS = {
     "offload": [{"target": "block", "apply": "checkpoint", "offload": True}],
     # gated MLPs in sequence tiles, the tile size from the shape
     "tiled": [{"target": "glu", "apply": "msglu", "tile": "auto"}],
+    # convolutional chains keeping one tensor per norm, read by lean layers (the transformer
+    # blocks of vision models too), exact to the bit
+    "cnn": [{"target": "channel_norm", "apply": "chain"}, {"target": "norm", "apply": "chain"},
+            {"target": "activation", "apply": "chain"}, {"target": "pool", "apply": "chain"},
+            {"target": "conv2d", "apply": "lean"}, {"target": "linear", "apply": "lean"}],
 }
 # In presets joined by '+', these rules come first: they refine what another preset applies
 # to the same modules (so llm+tiled tiles the MS-GLU llm makes).

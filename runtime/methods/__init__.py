@@ -11,6 +11,6 @@ from .base import METHODS, Method, Option, option_label, register  # noqa: I001
 
 # Each registers its method, in the registry's order.
 from . import keep, fewbit, pwl, msnorm, actnn, backrazor, pooled  # noqa: F401
-from . import lean, msglu, msact, rope, fused_ce, checkpoint  # noqa: F401
+from . import lean, msglu, msact, rope, fused_ce, checkpoint, chain  # noqa: F401
 
 __all__ = ["METHODS", "Method", "Option", "option_label", "register"]
