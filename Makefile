@@ -4,12 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 OUT := out
+# the torchvision built for the installed torch (2.N takes 0.(N+15)): another replaces torch
+TORCHVISION := $(BIN)/python -c 'import torch; print("torchvision==0.%d.*" % (int(torch.__version__.split(".")[1]) + 15))'
 
 .PHONY: install demo test test-busy lint docs docs-serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,hf]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[vision]' "$$($(TORCHVISION))"
 	touch $(STAMP)
 
 install: $(STAMP)
