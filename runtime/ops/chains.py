@@ -18,7 +18,8 @@ own ops: the same bits. Here:
   backward by running its forward again on it with autograd: eager's backward, bit for bit
   (`recomputed`);
 - a max pool keeps, in place of its input and an int64 index per output, the offset of the
-  maximum in its window, one byte (`pooled_offsets`);
+  maximum in its window, one byte (`pooled_forward`); its output is a leaf of the recipes
+  after it (a quarter of its input or less, kept by its readers);
 - residual adds, squeeze-excite products, stochastic depth's scaling, ReLUs, paddings and
   casts written as tensor ops in a block's forward pass recipes on (`TrackedOps`, entered
   around the model's forward pass), so a block's output is rebuilt from what its norms keep,
@@ -48,9 +49,9 @@ class Recipe:
     Holds no tensors: the leaves travel beside it (`sharing.offer`'s extras). Called as an
     offer's `make`, it rebuilds the tensor with the original's strides."""
 
-    def __init__(self, fn, args, kwargs, autocast, stride):
+    def __init__(self, fn, args, kwargs, autocast, stride, shape=None):
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.autocast, self.stride = autocast, stride
+        self.autocast, self.stride, self.shape = autocast, stride, shape
         self.versions = None  # the leaves' versions when offered
 
     def __call__(self, _primary, *leaves, dtype=None):
@@ -64,14 +65,26 @@ class Recipe:
         return out
 
     def value(self, leaves):
-        def arg(a):
-            if isinstance(a, Leaf):
-                return leaves[a.index]
-            return a.value(leaves) if isinstance(a, Recipe) else a
-
+        """The tensor made again. The deepest arguments are made first: while one is made,
+        only those made before it are held (a residual stream rebuilt through its blocks
+        holds one tensor a block, not every block's other input)."""
+        items = [*enumerate(self.args), *self.kwargs.items()]
+        made = {}
+        for key, a in sorted(items, key=lambda item: -_depth(item[1])):
+            made[key] = leaves[a.index] if isinstance(a, Leaf) else \
+                a.value(leaves) if isinstance(a, Recipe) else a
+        args = [made[i] for i in range(len(self.args))]
         device, enabled, dtype = self.autocast
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            return self.fn(*map(arg, self.args), **{k: arg(v) for k, v in self.kwargs.items()})
+            return self.fn(*args, **{k: made[k] for k in self.kwargs})
+
+    @functools.cached_property
+    def depth(self) -> int:
+        return 1 + max(map(_depth, (*self.args, *self.kwargs.values())), default=0)
+
+
+def _depth(a) -> int:
+    return a.depth if isinstance(a, Recipe) else 0
 
 
 class Leaf:
@@ -82,11 +95,17 @@ class Leaf:
 
 
 def recipe_of(t):
-    """(its Recipe, its leaves) where `t` carries a recipe, else None."""
+    """(its Recipe, its leaves) where `t` carries a recipe, else None. A view of a tensor
+    carrying one, element for element (`sharing.kept_for`), carries it reshaped."""
     if not isinstance(t, torch.Tensor):
         return None
     primary, leaves, make = kept_for(t)
-    return (make, leaves) if isinstance(make, Recipe) and primary is None else None
+    if not isinstance(make, Recipe) or primary is not None:
+        return None
+    if make.shape != tuple(t.shape):
+        make = Recipe(torch.reshape, (make, tuple(t.shape)), {}, make.autocast,
+                      tuple(t.stride()), tuple(t.shape))
+    return make, leaves
 
 
 def build(fn, args, kwargs=None, found=None) -> tuple[Recipe, tuple] | None:
@@ -105,23 +124,27 @@ def build(fn, args, kwargs=None, found=None) -> tuple[Recipe, tuple] | None:
             leaves.append(t)
         return Leaf(at[id(t)])
 
-    def moved(node, own):  # a recipe's nodes with its leaves renumbered among ours
-        if isinstance(node, Leaf):
-            return leaf(own[node.index])
-        if not isinstance(node, Recipe):
-            return node
-        return Recipe(node.fn, tuple(moved(a, own) for a in node.args),
-                      {k: moved(v, own) for k, v in node.kwargs.items()}, node.autocast,
-                      node.stride)
-
     def arg(a):
         if not isinstance(a, torch.Tensor):
             return a
         got = found.get(id(a))
-        return moved(got[0], got[1]) if got else leaf(a)
+        return _moved(got[0], got[1], leaf) if got else leaf(a)
 
     return (Recipe(fn, tuple(map(arg, args)), {k: arg(v) for k, v in kwargs.items()},
                    _autocast_state(), None), tuple(leaves))
+
+
+def _moved(node, own, leaf):
+    """A recipe's nodes with its leaves (`own`) renumbered by `leaf`. Not a closure in
+    `build`: a function that calls itself from its own closure is a reference cycle, which
+    would hold the leaves until the garbage collector runs."""
+    if isinstance(node, Leaf):
+        return leaf(own[node.index])
+    if not isinstance(node, Recipe):
+        return node
+    return Recipe(node.fn, tuple(_moved(a, own, leaf) for a in node.args),
+                  {k: _moved(v, own, leaf) for k, v in node.kwargs.items()}, node.autocast,
+                  node.stride, node.shape)
 
 
 def offer_recipe(y, built) -> None:
@@ -129,9 +152,24 @@ def offer_recipe(y, built) -> None:
     if built is None or not isinstance(y, torch.Tensor):
         return
     recipe, leaves = built
-    recipe.stride = y.stride()
+    recipe.stride, recipe.shape = y.stride(), tuple(y.shape)
     recipe.versions = tuple(t._version for t in leaves)
     offer(y, None, leaves, recipe)
+
+
+def _sharing() -> bool:
+    """Whether the chain shares recipes here: gradients wanted, not compiling (the compiler
+    decides what to keep), not inside a checkpoint (`_checkpointed`)."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _checkpointed()
+
+
+def _checkpointed() -> bool:
+    """Inside torch.utils.checkpoint's forward or its recomputation (non-reentrant, as timm's
+    and transformers' checkpointing run): the chain steps aside in both, so they save the
+    same tensors (the checkpoint checks) and the checkpoint alone decides what is kept."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+        ("_checkpoint_hook.", "_recomputation_hook."))
 
 
 def _tensors(args, kwargs):
@@ -170,7 +208,7 @@ class TrackedOps(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         redo = _TRACKED.get(func)
-        if redo is None:
+        if redo is None or _checkpointed():
             return func(*args, **kwargs)
         found = {id(a): recipe_of(a) for a in _tensors(args, kwargs)}  # before it changes them
         in_place = func in _IN_PLACE or (func is F.relu and kwargs.get("inplace", False))
@@ -226,7 +264,7 @@ def tracked_forward(cls):
     if forward not in _TRACKED_FORWARDS:
         @functools.wraps(forward)
         def tracking(self, *args, **kwargs):
-            if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            if not _sharing():
                 return forward(self, *args, **kwargs)
             with TrackedOps():
                 return forward(self, *args, **kwargs)
@@ -299,8 +337,7 @@ def recomputed_forward(cls):
     if forward not in _RECOMPUTED_FORWARDS:
         @functools.wraps(forward)
         def recomputing(self, x, *args, **kwargs):
-            if args or kwargs or not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() \
-                    or torch.compiler.is_compiling():
+            if args or kwargs or not isinstance(x, torch.Tensor) or not _sharing():
                 return forward(self, x, *args, **kwargs)
             twin = self
             if getattr(self, "inplace", False):
@@ -343,7 +380,7 @@ def offering_forward(cls):
     if forward not in _OFFERING_FORWARDS:
         @functools.wraps(forward)
         def offering(self, x, *args, **kwargs):
-            if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            if not _sharing():
                 return forward(self, x, *args, **kwargs)
             with _OfferedNorms(x):
                 return forward(self, x, *args, **kwargs)
@@ -406,8 +443,8 @@ class _PooledOffsets(torch.autograd.Function):
         ctx.geometry, ctx.x_shape = geometry, x.shape
         ctx.channels_last = x.is_contiguous(memory_format=torch.channels_last) \
             and not x.is_contiguous()
-        if recipe_of(x) is not None:  # its input rebuilt, y is its maxima at those offsets
-            offer_recipe(y, build(_gathered, (x, offsets, geometry)))
+        # y is not offered as a recipe: it is a quarter of x or less, and made again it would
+        # need x made again, a transient four times its size
         return y
 
     @staticmethod
@@ -431,8 +468,7 @@ def pooled_forward(cls):
     if forward not in _POOLED_FORWARDS:
         @functools.wraps(forward)
         def pooling(self, x):
-            if not (torch.is_grad_enabled() and x.requires_grad) or x.dim() != 4 \
-                    or torch.compiler.is_compiling():
+            if not (_sharing() and x.requires_grad) or x.dim() != 4:
                 return forward(self, x)
             return _PooledOffsets.apply(x, self)
 
@@ -480,14 +516,11 @@ def _offsets(index, geometry):
 
 
 def _index(offsets, geometry):
+    """The int64 index max_pool2d returned, from the offsets: two int64 tensors at most."""
     kernel, _, _, dilation, _, _, width = geometry
     rows, cols = _starts(offsets, geometry)
-    cell = offsets.long()
-    row = rows + cell.div(kernel[1], rounding_mode="floor") * dilation[0]
-    col = cols + cell.remainder(kernel[1]) * dilation[1]
-    return row * width + col  # in the offsets' (the output's) memory format
-
-
-def _gathered(x, offsets, geometry):
-    index = _index(offsets, geometry)
-    return x.flatten(-2).gather(-1, index.flatten(-2)).view(index.shape)
+    col = offsets.long()
+    row = col.div(kernel[1], rounding_mode="floor")
+    col.remainder_(kernel[1]).mul_(dilation[1]).add_(cols)
+    row.mul_(dilation[0]).add_(rows).mul_(width).add_(col)
+    return row  # in the offsets' (the output's) memory format
