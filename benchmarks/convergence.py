@@ -214,7 +214,8 @@ def make_variant(base: nn.Module, name: str, batches: list, setting: Setting) ->
 
     policy = planned(model, name.removeprefix("plan@"), batches, setting) \
         if name.startswith("plan@") else name
-    report = compress(model, policy, example_inputs=(batches[0][0].to(setting.device),))
+    report = compress(model, policy, example_inputs=(batches[0][0].to(setting.device),),
+                      allow_more=True)  # every preset trains, whatever it keeps
     print(report, file=sys.stderr)
     if name.startswith("actnn"):  # allocate 2 bits on average, exactly per layer
         bits = calibrate(model, batches[:CALIBRATION_BATCHES], avg_bits=2, loss=setting.loss)

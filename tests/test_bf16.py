@@ -266,7 +266,7 @@ def test_exact_copies_give_the_models_own_bf16_gradients(name, mode):
     model = copy.deepcopy(base)
     rules = [{"target": "conv2d", "apply": "pooled", "pool": 1},
              {"target": "linear", "apply": "backrazor", "ratio": 0.0}]
-    assert compress(model, {"rules": rules}).replaced
+    assert compress(model, {"rules": rules}, allow_more=True).replaced  # copies: more bytes
     loss0, logits0, grads0 = forward_backward(base, inputs, mode, dtype)
     loss, logits, grads = forward_backward(model, inputs, mode, dtype)
     assert torch.equal(loss, loss0) and torch.equal(logits, logits0)

@@ -86,7 +86,8 @@ def test_exact_sparse_copy_gives_exact_gradients(name):
     inputs = batch(model)
     ref = copy.deepcopy(model)
     report = compress(model, {"rules": [{"target": t, "apply": "backrazor", "ratio": 0.0}
-                                        for t in ("linear", "conv2d")]})
+                                        for t in ("linear", "conv2d")]},
+                      allow_more=True)  # every value and its index: more than the input
     assert len(report.replaced) >= 8 and not report.skipped
     for m in (model, ref):
         m(**inputs).loss.backward()

@@ -14,7 +14,9 @@ or the closing probe raises. So a refusal or a fault leaves the model as it was.
 Sharing a norm's x̂ with its readers needs one probe forward to see which layers read its
 output: pass `example_inputs` (a tensor, a tuple of positional arguments or a dict of
 keywords); a transformers model gets a small random batch when none is given. With a probe,
-the report also measures the bytes saved for the backward on that input, before and after.
+the report also measures the bytes saved for the backward on that input, before and after,
+and a policy that keeps more than the model did is refused unless `allow_more` (a compressed
+copy of a tensor another reader still keeps whole frees nothing and costs its own bytes).
 """
 
 from __future__ import annotations
@@ -80,15 +82,40 @@ class Report:
         for rule in self.unmatched:
             lines.append(f"  matched nothing: {rule} (the model has no such module)")
         if self.before is not None and self.after is not None:
-            b, a = self.before.total, self.after.total
-            share = f", {1 - a / b:.1%} less" if b else ""
-            lines.append(f"  saved for backward on the probe input: {_kib(b)} -> "
-                         f"{_kib(a)}{share}")
+            lines.append(f"  saved for backward on the probe input: {self.change()}")
         return "\n".join(lines)
+
+    def change(self) -> str:
+        """The probe's saved bytes, before -> after, in words."""
+        b, a = self.before.total, self.after.total
+        share = "" if not b else f", {1 - a / b:.1%} less" if a <= b else f", {a / b - 1:.1%} more"
+        return f"{_kib(b)} -> {_kib(a)}{share}"
+
+    def keeps_more(self) -> bool:
+        return self.before is not None and self.after is not None \
+            and self.after.total > self.before.total
+
+    def grown(self) -> list[tuple[str, int]]:
+        """(module, bytes more) for the modules that keep more on the probe than before, the
+        most first: copies of tensors another reader keeps whole (counted once, at the first)."""
+        before = self.before.by_module
+        grown = [(name, n - before.get(name, 0)) for name, n in self.after.by_module.items()
+                 if n > before.get(name, 0)]
+        return sorted(grown, key=lambda item: -item[1])
 
 
 def _kib(n: int) -> str:
     return f"{n / 1024:,.1f} KiB"
+
+
+def _refusal(report: Report) -> str:
+    grown = report.grown()
+    named = ", ".join(f"{name or '(model)'} (+{_kib(n)})" for name, n in grown[:4])
+    more = f" and {len(grown) - 4} more" if len(grown) > 4 else ""
+    return (f"compress ({report.policy}) keeps more for the backward than the model did on the "
+            f"probe input ({report.change()}), where {named or 'no one module'}{more} keep "
+            "more: a compressed copy frees nothing while another reader keeps the tensor "
+            "whole; nothing was changed (allow_more=True applies it anyway)")
 
 
 @dataclass
@@ -100,13 +127,15 @@ class Plan:
 
 
 def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
-             dry_run: bool = False) -> Report:
+             dry_run: bool = False, allow_more: bool = False) -> Report:
     """Apply `policy` (a preset such as "fewbit3+msnorm", a dict, a Policy or a .json file)
     to `model` in place. Returns a Report of what was replaced, what was left alone and why,
     and, with a probe input, the bytes saved for the backward before and after. With
     `dry_run`, only the report, the probe's bytes after included (measured on the plan applied
-    and then taken back): the model is as it was. If anything fails, the
-    model is as it was. The random number generators and the buffers a forward updates (a
+    and then taken back): the model is as it was. A policy under which the probe keeps more
+    bytes than the model did is refused (an ActdesignError naming the modules that keep more),
+    unless `allow_more`; a dry run only reports it. If anything fails, the model is as it was.
+    The random number generators and the buffers a forward updates (a
     BatchNorm's running statistics) are left as they were too (the probes run the model), so
     the training run after compress is the one it would have been."""
     _refuse_unsupported(model)
@@ -119,6 +148,8 @@ def compress(model: nn.Module, policy="fewbit3", example_inputs=None, *,
             if planned.run is not None:
                 with torch.enable_grad():
                     planned.report.after, _ = account(model, planned.run)
+            if planned.report.keeps_more() and not (allow_more or dry_run):
+                raise ActdesignError(_refusal(planned.report))
         except BaseException:
             undo_all(planned.edits)
             raise

@@ -192,7 +192,8 @@ def _allocate(model, base, rules, fresh, loss, actnn_bits, say) -> dict:
     say(f"allocating ActNN bits ({avg:g} on average): a forward and backward per batch")
     trial = copy.deepcopy(model)
     first = next(iter(fresh()))
-    compress(trial, {"format": policy_mod.FORMAT, "rules": rules}, example_inputs=first)
+    compress(trial, {"format": policy_mod.FORMAT, "rules": rules}, example_inputs=first,
+             allow_more=True)  # a trial copy, measured for its gradients only
     bits = calibrate(trial, fresh(), avg_bits=avg, loss=loss)
     convs = {n for n, m in trial.named_modules() if isinstance(m, torch.nn.Conv2d)}
     return {name: (int(b), name in convs) for name, b in bits.items()}

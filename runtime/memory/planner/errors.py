@@ -94,7 +94,7 @@ def calibration_copy(model, policy):
     model that trains (with dropout, attention may not keep the input a layer quantizes)."""
     trial = copy.deepcopy(model).train()
     with forked_rng(trial):
-        compress(trial, policy)
+        compress(trial, policy, allow_more=True)  # a trial, priced by the planner
     for m in trial.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.p = 0.0
