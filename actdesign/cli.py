@@ -287,7 +287,8 @@ def allocate(stats_file, avg_bits, out, force):
 
 _MODEL_HELP = ("A built-in transformers config (gpt2, llama, qwen2, bert, vit, or their -tiny "
                "variants); a local Hugging Face model directory or its config.json; "
-               "hf:<repo id> (its config from the local Hub cache); all these build the "
+               "hf:<repo id> (its config from the local Hub cache); timm:<name> or "
+               "torchvision:<name> (an image classifier); all these build the "
                "architecture with random weights, nothing downloaded. Or "
                "package.module:function / file.py:function (the current directory "
                "importable) returning a model, or (model, make_batch(batch, seq)).")
@@ -341,12 +342,19 @@ class _PresetsHelp(click.Option):
         return super().get_help_record(ctx)
 
 
+_IMAGE_SIZE = click.option(
+    "--image-size", type=click.IntRange(1), metavar="PIXELS",
+    help="The side of the square images an image model takes [its config's or timm's own "
+         "size, else 224].")
+
+
 @cli.command()
 @click.option("--model", "-m", "model_name", required=True, help=_MODEL_HELP)
 @click.option("--policy", "-p", default="fewbit3", show_default=True, cls=_PresetsHelp)
 @click.option("--batch", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
               help="Sequence length (text models).")
+@_IMAGE_SIZE
 @click.option("--device", default=None, help="cpu or cuda [cuda when available].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
               default=None, help="fp32; bf16-autocast (float32 weights, the forward under "
@@ -361,8 +369,8 @@ class _PresetsHelp(click.Option):
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
               metavar="FILE", help="Also write the measurements as JSON ('-': stdout only).")
 @_FORCE
-def profile(model_name, policy, batch, seq, device, precision, repeats, per_module, plot,
-            json_out, force):
+def profile(model_name, policy, batch, seq, image_size, device, precision, repeats, per_module,
+            plot, json_out, force):
     """One training step of a model, baseline and compressed with POLICY: bytes saved for the
     backward by module, peak memory and step time. Progress goes to stderr; --json records
     exact bytes."""
@@ -380,7 +388,8 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
     load_policy(policy)  # a bad policy fails before the model is built
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = run(model_name, policy, batch, seq, device, repeats, precision=precision,
-                 progress=lambda message: click.echo(message, err=True))
+                 progress=lambda message: click.echo(message, err=True),
+                 image_size=image_size)
     text = json.dumps(result.to_dict(), indent=1)
     if json_out == "-":
         click.echo(text)
@@ -402,10 +411,12 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
 @cli.command()
 @click.option("--model", "-m", "model_name", required=True,
               help="A built-in transformers config, a local Hugging Face model directory or "
-                   "its config.json, or hf:<repo id>: built on fake tensors, no weights.")
+                   "its config.json, hf:<repo id>, timm:<name> or torchvision:<name>: built "
+                   "on fake tensors, no weights.")
 @click.option("--batch", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
               help="Sequence length (text models).")
+@_IMAGE_SIZE
 @click.option("--precision", type=click.Choice(PRECISIONS), default="bf16-autocast",
               show_default=True,
               help="fp32; bf16-autocast (float32 weights, the forward under bfloat16 "
@@ -446,9 +457,9 @@ def profile(model_name, policy, batch, seq, device, precision, repeats, per_modu
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
               metavar="FILE", help="Also write the estimate as JSON ('-': stdout only).")
 @_FORCE
-def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, four_bit,
-             optimizer, gpu_memory, card, kernels, cpu_offload, max_seq, max_batch, step,
-             json_out, force):
+def estimate(model_name, batch, seq, image_size, precision, policies, checkpointing, lora,
+             four_bit, optimizer, gpu_memory, card, kernels, cpu_offload, max_seq, max_batch,
+             step, json_out, force):
     """Estimate the memory of one training step from a model's config, without its weights
     or a GPU: bytes saved for the backward by module, the activation peak, weights,
     gradients and optimizer state, and the margins a card needs beyond them. Progress goes
@@ -478,7 +489,7 @@ def estimate(model_name, batch, seq, precision, policies, checkpointing, lora, f
     result = run(model_name, batch, seq, precision, policies, checkpointing, optimizer,
                  list(gpu_memory) or None, lambda message: click.echo(message, err=True),
                  lora, kernels, card, four_bit, longest=longest, step=step,
-                 cpu_offload=cpu_offload)
+                 cpu_offload=cpu_offload, image_size=image_size)
     text = json.dumps(result.to_dict(), indent=1)
     if json_out == "-":
         click.echo(text)
@@ -531,6 +542,7 @@ def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
 @click.option("--batch", type=click.IntRange(1), required=True, help="Training batch size.")
 @click.option("--seq", type=click.IntRange(1), default=256, show_default=True,
               help="Training sequence length (text models).")
+@_IMAGE_SIZE
 @click.option("--precision", type=click.Choice(PRECISIONS),
               default="bf16-autocast", show_default=True)
 @click.option("--budget", required=True, metavar="SIZE|FRACTION",
@@ -557,7 +569,7 @@ def calibrate_cmd(model_name, data, bits, policy, actnn_bits, out, force):
 @click.option("--plot", type=click.Path(dir_okay=False), metavar="PNG",
               help="Also draw the error-memory front, with the presets marked.")
 @_FORCE
-def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batches,
+def plan_cmd(model_name, batch, seq, image_size, precision, budget, data, calibration_batches,
              calibration_shape, max_slowdown, device_name, out, json_out, plot, force):
     """Plan the least gradient error that fits a memory budget: every site's method and bits,
     and which blocks to recompute, from exact shape-only steps at the training shape and
@@ -579,7 +591,7 @@ def plan_cmd(model_name, batch, seq, precision, budget, data, calibration_batche
         click.echo(message, err=True)
 
     source = model_mod.load_callable(data, "data") if data is not None else None  # first
-    model, make_batch = model_mod.build(model_name, say=say)
+    model, make_batch = model_mod.build(model_name, say=say, image_size=image_size)
     trained = model_mod.with_weights(model_name, model)
     model = (trained or model).float().train()
     if source is not None:

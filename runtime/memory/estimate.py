@@ -69,6 +69,8 @@ class _Setup:
     four_bit: bool
     example: object = None  # real inputs to run instead of random tokens
     cpu_offload: bool = False
+    make_batch: object = None  # make_batch(batch, seq): a timm or torchvision model's images
+    image_size: int | None = None  # an image model's image side, in pixels
 
 
 def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
@@ -76,14 +78,17 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
              gpu_memory=None, progress=None, lora: int | None = None, kernels: str = "cuda",
              card: str | None = None, four_bit: bool = False,
              example_inputs=None, longest: str | None = None,
-             step: int | None = None, cpu_offload: bool = False) -> Estimate:
+             step: int | None = None, cpu_offload: bool = False,
+             image_size: int | None = None) -> Estimate:
     """Estimate one training step at `batch` x `seq`, in `precision` (one of PRECISIONS),
     with gradient checkpointing or not: saved bytes by module, activation peak, weights,
     gradients and `optimizer` state (footprint.OPTIMIZERS), the margins a card needs beyond
     them, and whether it all fits in `gpu_memory` (a size such as "24GiB" or bytes, or a list
     of them). `model`: a name `models.config_of` takes (a built-in, a local config or
-    directory, hf:<repo id>), a transformers config (or its dict), or a model object (copied
-    onto fake tensors; the object itself is untouched). One row per policy (a preset, presets
+    directory, hf:<repo id>, timm:<name>, torchvision:<name>), a transformers config (or its
+    dict), or a model object (copied onto fake tensors; the object itself is untouched). An
+    image model takes images `image_size` pixels square (its config's or timm's own size
+    when not given, else 224); `seq` is then not read. One row per policy (a preset, presets
     joined by '+', a policy dict or file). With `lora`, a rank: PEFT LoRA adapters of that
     rank on every Linear layer but the head (alpha 2 x rank, no dropout), the adapters alone
     trained, compressed as the policy says; with `four_bit` too, over a bitsandbytes NF4 base
@@ -134,12 +139,16 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
         if progress is not None:
             progress(f"[{time.perf_counter() - start:6.1f} s] {message}")
 
-    label, config, module, warnings = _source(model)
+    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int)
+                                   or image_size < 1):
+        raise ActdesignError(f"the image size must be a positive integer, got {image_size!r}")
+    label, config, module, make_batch, warnings = _source(model, image_size)
+    vision = getattr(config, "image_size", None) or getattr(make_batch, "image_size", None)
     setup = _Setup(label, config, module, batch, seq, precision, checkpointing, optimizer,
-                   lora, kernels, priced_by, four_bit, example_inputs, cpu_offload)
-    vision = getattr(config, "image_size", None)
+                   lora, kernels, priced_by, four_bit, example_inputs, cpu_offload, make_batch,
+                   vision)
     if longest == "seq" and vision:
-        raise ActdesignError(f"model {label!r} takes {vision}x{vision} images: it has no "
+        raise ActdesignError(f"model {label!r} takes {_side(vision)} images: it has no "
                              "sequence to lengthen (search the batch instead)")
     rows, built = [], {}
     for name, policy in zip(policies, loaded, strict=True):
@@ -155,9 +164,10 @@ def estimate(model, batch: int, seq: int, precision: str = "bf16-autocast",
     if longest == "seq":
         shape = f"batch {batch}, the longest sequence that fits (steps of {step:,})"
     elif longest == "batch":
-        shape = f"the largest batch that fits (steps of {step:,}), sequence {seq}"
+        shape = f"the largest batch that fits (steps of {step:,}), " + (
+            f"{_side(vision)} images" if vision else f"sequence {seq}")
     else:
-        shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision
+        shape = f"batch {batch}, " + (f"{_side(vision)} images" if vision
                                       else f"sequence {seq}")
     return Estimate(label, shape, precision, checkpointing, optimizer, sizes, lora, kernels,
                     rows, built, warnings, card, four_bit, cpu_offload)
@@ -229,7 +239,8 @@ class _Pricing:
         built.update(setups.built(model))
         if policy.rules:
             say(f"compressing with {policy.label}")
-            compress(model, policy)
+            probe = None if setup.make_batch is None else setup.make_batch(2, setup.seq)
+            compress(model, policy, probe, allow_more=True)  # priced, whatever it keeps
         if setup.checkpointing:
             setups.with_checkpointing(setup.name, model)
         self.model = model
@@ -253,7 +264,9 @@ def _pricing(setup: _Setup, name, policy, say, built):
 
 def _estimate_fake(setup: _Setup, name, policy: policy_mod.Policy, say, model, mode) -> Row:
     """The row of one training step of `model` (on fake tensors of `mode`) at `setup`'s shape."""
-    if setup.example is None:
+    if setup.make_batch is not None:  # made in the fake mode: fake images
+        inputs = setup.make_batch(setup.batch, setup.seq)
+    elif setup.example is None:
         inputs = models.example_batch(model, setup.batch, setup.seq)
     else:
         with unset_fake_temporarily():
@@ -310,22 +323,36 @@ def _sizes(gpu_memory) -> list[tuple[str, int]]:
     return out
 
 
-def _source(model) -> tuple[str, object, torch.nn.Module | None, list[str]]:
-    """(its name in the output, a config to build from, a model object to copy, warnings about
-    the config) of what `estimate` was given."""
+def _side(size) -> str:
+    return f"{size}x{size}" if isinstance(size, int) else "x".join(map(str, size))
+
+
+def _source(model, image_size=None):
+    """(its name in the output, a config to build from, a model object to copy, make_batch
+    for a timm or torchvision model, warnings about the config) of what `estimate` was
+    given; an image model's config at `image_size` (`models.sized`)."""
     if isinstance(model, torch.nn.Module):
-        return type(model).__name__, getattr(model, "config", None), model, []
+        if image_size is not None:
+            raise ActdesignError("a model object takes the inputs given with it "
+                                 "(example_inputs), not an image size")
+        return type(model).__name__, getattr(model, "config", None), model, None, []
+    if models.is_vision_name(model):  # built for real, copied onto fake tensors
+        module, make_batch = models.vision_model(model, image_size)
+        return model, None, module, make_batch, []
     if isinstance(model, str):
-        config = models.config_of(model)
+        config = models.config_of(model, image_size)
         if config is None:
             raise ActdesignError(f"model {model!r}: estimate builds a model from its config; "
-                                 "give a built-in, a local config.json or hf:<repo id>, or the "
-                                 "model object from Python")
-        return model, config, None, models.defaulted(model, config)
+                                 "give a built-in, a local config.json, hf:<repo id>, "
+                                 "timm:<name> or torchvision:<name>, or the model object from "
+                                 "Python")
+        return model, config, None, None, models.defaulted(model, config)
     if isinstance(model, dict):
-        return _source_of_dict(model)
+        label, config = _source_of_dict(model)
+        return label, models.sized(label, config, image_size), None, None, []
     if type(model).__module__.startswith("transformers.") and hasattr(model, "model_type"):
-        return f"{model.model_type} config", model, None, []
+        label = f"{model.model_type} config"
+        return label, models.sized(label, model, image_size), None, None, []
     raise ActdesignError("estimate takes a model name, a transformers config (or its dict) or "
                          f"a model object, not {type(model).__name__}")
 
@@ -341,4 +368,4 @@ def _source_of_dict(data: dict):
     except Exception as exc:  # noqa: BLE001  (transformers' validators raise their own types)
         raise ActdesignError(f"the {kind} config dict cannot be used: "
                              f"{models.reason(exc)}") from None
-    return f"{kind} config", config, None, []
+    return f"{kind} config", config

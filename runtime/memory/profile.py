@@ -175,11 +175,12 @@ def _fmt(r) -> str:
 
 def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str = "cpu",
             repeats: int = 3, seed: int = 0, precision: str | None = None,
-            progress=None) -> Profile:
-    """Build the model (a name models.build takes), copy it, compress the copy with `policy`,
-    and measure one training step of each on the same random batch, in `precision` (one of
-    PRECISIONS; default: bf16-autocast on CUDA, fp32 on CPU). `progress(message)`, when given,
-    hears each stage as it starts."""
+            progress=None, image_size: int | None = None) -> Profile:
+    """Build the model (a name models.build takes; an image model's images `image_size`
+    pixels square), copy it, compress the copy with `policy`, and measure one training step
+    of each on the same random batch, in `precision` (one of PRECISIONS; default:
+    bf16-autocast on CUDA, fp32 on CPU). `progress(message)`, when given, hears each stage as
+    it starts."""
     precision = check_precision(precision or default_precision(device))
     start = time.perf_counter()
 
@@ -187,7 +188,7 @@ def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str
         if progress is not None:
             progress(f"[{time.perf_counter() - start:6.1f} s] {message}")
 
-    model, make_batch = models.build(model_name, seed, say)
+    model, make_batch = models.build(model_name, seed, say, image_size=image_size)
     model = model.to(device).train()
     inputs = models.example_batch(model, batch, seq, make_batch, seed)
     small = models.example_batch(model, 2, min(seq, 8), make_batch, seed)
@@ -197,12 +198,14 @@ def profile(model_name: str, policy, batch: int = 8, seq: int = 256, device: str
     inputs, small = _to(inputs, device, dtype), _to(small, device, dtype)
     compressed = copy.deepcopy(model)
     say(f"compressing a copy with {policy if isinstance(policy, str) else 'the policy'}")
-    report = compress(compressed, policy, example_inputs=small)
+    report = compress(compressed, policy, example_inputs=small, allow_more=True)  # shown
     runs = [_measure(m, inputs, device, precision, repeats, seed,
                      lambda message, which=which: say(f"{which}: {message}"))
             for m, which in ((model, "baseline"), (compressed, "compressed"))]
-    vision = getattr(getattr(model, "config", None), "image_size", None)
-    shape = f"batch {batch}, " + (f"{vision}x{vision} images" if vision and make_batch is None
+    vision = getattr(getattr(model, "config", None), "image_size", None) \
+        if make_batch is None else getattr(make_batch, "image_size", None)
+    side = vision if not isinstance(vision, int) else (vision, vision)
+    shape = f"batch {batch}, " + (f"{side[0]}x{side[1]} images" if vision
                                   else f"sequence {seq}")
     return Profile(model_name, report.policy, shape, device, precision,
                    "CUDA allocator" if device.startswith("cuda") else "saved-bytes account",

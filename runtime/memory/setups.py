@@ -16,7 +16,7 @@ from actdesign.errors import ActdesignError
 
 from .. import models
 from ..apply.accounting import storage_key
-from ..ops.fake import conversions_in_place, no_initialization
+from ..ops.fake import RealSchedules, conversions_in_place, no_initialization
 from .profile import bf16_weights
 
 
@@ -25,7 +25,9 @@ def fake_model(name: str, config, precision: str = "fp32", lora=None):
     in bfloat16 where the precision says (`bf16_weights`), with PEFT LoRA adapters when given
     `lora`, a rank (see `with_lora`) or a peft.LoraConfig."""
     with no_initialization(), conversions_in_place():
-        model = models.from_config(name, config).train()
+        with RealSchedules():
+            model = models.from_config(name, config).train()
+        model = RealSchedules.faked(model, torch._guards.detect_fake_mode())
         return _converted(model, name, precision, lora)
 
 

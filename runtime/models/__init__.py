@@ -6,12 +6,16 @@ A model name is one of:
 - a local Hugging Face model directory, or its `config.json`: the architecture it names, built
   from the config alone (any weights there are not loaded);
 - `hf:<repo id>`: the config of a Hub model, from the local Hub cache only;
+- `timm:<name>` or `torchvision:<name>`: an image classifier of timm or torchvision, built
+  with random weights (never downloaded);
 - `package.module:function` or `path/to/file.py:function`: a builder, called with no arguments,
   returning a model or a (model, make_batch) pair where `make_batch(batch, seq)` returns the
   model's inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments.
   The current directory is importable, as with `python -m`.
-transformers models need no make_batch: their inputs follow from the config. Remote code is
-never run (`trust_remote_code` stays off).
+transformers, timm and torchvision models need no make_batch: their inputs follow from the
+config or the name. An image model's images are `image_size` pixels square when given, else
+the config's (timm's) own size, else 224. Remote code is never run (`trust_remote_code` stays
+off).
 """
 
 from __future__ import annotations
@@ -67,18 +71,25 @@ BUILTIN = {
 }
 
 
-def config_of(name: str):
+# image classifiers by library and name, built with random weights; images 224 pixels square
+# where neither the caller nor the model says otherwise
+VISION_LIBRARIES = ("timm", "torchvision")
+IMAGE_SIZE = 224
+
+
+def config_of(name: str, image_size: int | None = None):
     """The transformers config a model name gives (a built-in, a local directory or config.json,
-    `hf:<repo id>`); None for a `module:function` builder."""
+    `hf:<repo id>`), an image model's at `image_size` (`sized`); None for a `module:function`
+    builder or a timm or torchvision name."""
     if name in BUILTIN:
         transformers = require_transformers(name)
         config_cls, _, args = BUILTIN[name]
-        return getattr(transformers, config_cls)(**args)
+        return sized(name, getattr(transformers, config_cls)(**args), image_size)
     if name.startswith("hf:"):
-        return _hub_config(name, name.removeprefix("hf:"))
+        return sized(name, _hub_config(name, name.removeprefix("hf:")), image_size)
     path = Path(name)
     if path.is_dir() or (path.suffix == ".json" and path.is_file()):
-        return _local_config(name, path)
+        return sized(name, _local_config(name, path), image_size)
     if ":" in name:
         return None
     if _looks_like_a_path(name):
@@ -88,7 +99,58 @@ def config_of(name: str):
     hint = f"; for a Hub model, write hf:{name}" if name.count("/") == 1 else ""
     raise ActdesignError(f"unknown model {name!r}: use a built-in ({', '.join(BUILTIN)}), a "
                          "local model directory or config.json, hf:<repo id>, "
+                         "timm:<name>, torchvision:<name>, "
                          f"package.module:function or file.py:function{hint}")
+
+
+def sized(name: str, config, image_size: int | None):
+    """`config`, an image model's (one with `num_channels`) set to take images `image_size`
+    pixels square, else its own size, else IMAGE_SIZE; a text model's refuses an image size."""
+    if not hasattr(config, "num_channels"):
+        if image_size is not None:
+            raise ActdesignError(f"model {name!r} reads text, not images: an image size is for "
+                                 "image models (give a sequence length)")
+        return config
+    config.image_size = image_size or getattr(config, "image_size", None) or IMAGE_SIZE
+    return config
+
+
+def is_vision_name(name) -> bool:
+    """A `timm:<name>` or `torchvision:<name>` model name."""
+    return isinstance(name, str) and name.partition(":")[0] in VISION_LIBRARIES \
+        and ":" in name
+
+
+def vision_model(name: str, image_size: int | None = None):
+    """(the image classifier `timm:<name>` or `torchvision:<name>` names, with random weights;
+    make_batch(batch, seq) -> a batch of random images, `image_size` pixels square (timm's
+    model's own size, else IMAGE_SIZE, when not given); `seq` is not read)."""
+    library, _, arch = name.partition(":")
+    try:
+        lib = importlib.import_module(library)
+    except ImportError:
+        raise ActdesignError(f"model {name!r} needs {library}: pip install "
+                             "'actdesign[vision]'") from None
+    if library == "timm":
+        if arch not in lib.list_models():
+            raise ActdesignError(f"model {name!r}: timm has no model {arch!r} "
+                                 "(timm.list_models() lists them)")
+        model = lib.create_model(arch, pretrained=False)
+        own = (getattr(model, "pretrained_cfg", None) or {}).get("input_size")
+    else:
+        if arch not in lib.models.list_models(module=lib.models):
+            raise ActdesignError(f"model {name!r}: torchvision has no image classifier "
+                                 f"{arch!r} (torchvision.models.list_models(module="
+                                 "torchvision.models) lists them)")
+        model = lib.models.get_model(arch, weights=None)
+        own = None
+    side = image_size or (own[-1] if own else IMAGE_SIZE)
+
+    def make_batch(batch, seq):
+        return torch.randn(batch, 3, side, side)
+
+    make_batch.image_size = side
+    return model, make_batch
 
 
 def _looks_like_a_path(name: str) -> bool:
@@ -98,14 +160,22 @@ def _looks_like_a_path(name: str) -> bool:
         or name.count("/") > 1
 
 
-def build(name: str, seed: int = 0, say=None, device=None):
+def build(name: str, seed: int = 0, say=None, device=None, image_size: int | None = None):
     """(model, make_batch or None) for a model name (see the module's docstring); a config
     builds its architecture with random weights, on `device` when given (a billion weights
-    initialise far faster on a GPU). `say(message)`, when given, hears when the name is
-    resolved and building starts."""
+    initialise far faster on a GPU). An image model takes images `image_size` pixels square
+    (see `sized`). `say(message)`, when given, hears when the name is resolved and building
+    starts."""
     torch.manual_seed(seed)
-    config = config_of(name)
+    if is_vision_name(name):
+        if say is not None:
+            say(f"building {name}")
+        return vision_model(name, image_size)
+    config = config_of(name, image_size)
     builder = load_callable(name, "model") if config is None else None
+    if builder is not None and image_size is not None:
+        raise ActdesignError(f"model {name!r}: a builder's make_batch makes its own inputs; "
+                             "an image size is for transformers, timm and torchvision models")
     if say is not None:
         say(f"building {name}")
     if config is not None:
@@ -180,15 +250,18 @@ _LARGEST = 2**31
 
 
 def _check_sizes(name: str, config) -> None:
+    """Each size an integer in its bounds; a vision model's may be one per stage (a list)."""
     for key in (*_SHAPE_KEYS, *_COUNTS):
         value = getattr(config, key, None)
         if value is None:
             continue
         bound = _COUNTS.get(key, _LARGEST)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+        values = value if isinstance(value, list | tuple) and value else [value]
+        if not all(not isinstance(v, bool) and isinstance(v, int) and 1 <= v <= bound
+                   for v in values):
             shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
             raise ActdesignError(f"model {name!r}: its config's {key} must be an integer from "
-                                 f"1 to {bound:,}, got {shown}")
+                                 f"1 to {bound:,} (or a list of them), got {shown}")
 
 
 def defaulted(name: str, config) -> list[str]:
@@ -229,6 +302,7 @@ def from_config(name, config):
         found = [getattr(transformers, arch, None)
                  for arch in getattr(config, "architectures", None) or ()]
         autos = [auto.from_config for auto in (transformers.AutoModelForCausalLM,
+                                               transformers.AutoModelForImageClassification,
                                                transformers.AutoModel)
                  if type(config) in auto._model_mapping]
         build = next((c for c in found if c is not None), None) or next(iter(autos), None)
@@ -310,8 +384,9 @@ def example_batch(model, batch: int, seq: int, make_batch=None, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     if model.main_input_name == "pixel_values":
-        size = config.image_size
-        inputs = {"pixel_values": torch.randn(batch, config.num_channels, size, size,
+        size = getattr(config, "image_size", None) or IMAGE_SIZE
+        height, width = (size, size) if isinstance(size, int) else size
+        inputs = {"pixel_values": torch.randn(batch, config.num_channels, height, width,
                                               generator=g)}
         if type(model).__name__.endswith("ForImageClassification"):
             inputs["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)

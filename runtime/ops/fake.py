@@ -15,7 +15,9 @@ import copy
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def is_fake(t) -> bool:
@@ -131,6 +133,32 @@ def no_initialization():
         yield
     finally:
         PreTrainedModel.initialize_weights = real
+
+
+class RealSchedules(TorchFunctionMode):
+    """While a model is built on fake tensors: `torch.linspace`, and the ops whose tensors are
+    all real (its results), run for real, so a schedule the model reads as numbers has them
+    (stochastic depth's rates, `torch.linspace(0, rate, depth).tolist()`, in ConvNeXt, Swin,
+    EfficientNet...). `faked(model)` then makes fake any such tensor the model kept."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func is torch.linspace or (tensors and not any(map(is_fake, tensors))):
+            with on_host():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def faked(model: torch.nn.Module, mode) -> torch.nn.Module:
+        for m in model.modules():
+            for name, t in [*m._parameters.items(), *m._buffers.items()]:
+                if t is not None and not is_fake(t):
+                    fake = mode.from_tensor(t.detach())
+                    table = m._parameters if name in m._parameters else m._buffers
+                    table[name] = torch.nn.Parameter(fake, t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else fake
+        return model
 
 
 @contextlib.contextmanager
