@@ -4,8 +4,8 @@ bit: forward, gradients and running statistics, in fp32, under bf16 and fp16 aut
 bf16 weights and channels_last."""
 
 import contextlib
-import gc
 import copy
+import gc
 
 import pytest
 import timm
