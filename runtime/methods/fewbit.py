@@ -63,6 +63,17 @@ def spec_option(value, where, base):
     return str(path.resolve())
 
 
+def _fewest(kind, activation, bits) -> spec_mod.Spec:
+    """The table at `bits`, or at the fewest bits whose table is exact already (zero error: a
+    derivative of two levels, ReLU's, needs one bit; ReLU6's three need two): more bits
+    would keep more and tell nothing more. The tables of up to 4 bits are shipped."""
+    for fewer in range(1, min(bits, 5)):
+        spec = table(kind, activation, fewer)
+        if spec.error.get("E") == 0:
+            return spec
+    return table(kind, activation, bits)
+
+
 @register
 class FewBit(Method):
     name = "fewbit"
@@ -94,7 +105,7 @@ class FewBit(Method):
                                  "built-in activation")
         given = rule.option("spec")
         if given is None:
-            return table(self.kind, own, rule.option("bits"))
+            return _fewest(self.kind, own, rule.option("bits"))
         if isinstance(given, str) and table_name(given) is not None:
             kind_given, act, bits = table_name(given)
             spec = table(kind_given, resolve(act).name, bits)
