@@ -19,7 +19,8 @@ def test_every_preset_loads_and_round_trips(name):
 def test_presets_combine_in_order():
     policy = P.load("fewbit3+msnorm+actnn2")
     assert [(r.target, r.apply) for r in policy.rules] == [
-        ("activation", "fewbit"), ("norm", "msnorm"), ("linear", "actnn"), ("conv2d", "actnn")]
+        ("activation", "fewbit"), ("norm", "msnorm"), ("linear", "actnn"), ("conv2d", "actnn"),
+        ("channel_norm", "actnn"), ("activation", "fewbit"), ("pool", "chain")]
     assert policy.label == "fewbit3+msnorm+actnn2"
 
 
@@ -29,7 +30,8 @@ def test_lean_rules_come_last_in_joined_presets():
     policy = P.load("llm+actnn2")
     assert [(r.target, r.apply) for r in policy.rules] == [
         ("norm", "msnorm"), ("glu", "msglu"), ("attention", "rope"), ("head", "fused_ce"),
-        ("linear", "actnn"), ("conv2d", "actnn"), ("linear", "lean"), ("activation", "msact")]
+        ("linear", "actnn"), ("conv2d", "actnn"), ("channel_norm", "actnn"),
+        ("activation", "fewbit"), ("linear", "lean"), ("activation", "msact"), ("pool", "chain")]
     assert [r.apply for r in P.load("fewbit3+llm").rules] == [
         "fewbit", "msnorm", "msglu", "rope", "fused_ce", "lean", "msact"]
 

@@ -42,8 +42,14 @@ PRESETS = {
     "fewbit3": [{"target": "activation", "apply": "fewbit", "bits": 3}],
     "regelu2": [{"target": "activation", "apply": "pwl", "bits": 2}],
     "msnorm": [{"target": "norm", "apply": "msnorm"}],
+    # a convolutional chain's other tensors too: a batch norm's input at 2 bits, a ReLU's
+    # 1-bit mask (exact: its derivative has two levels), a max pool's window offsets (exact)
     "actnn2": [{"target": "linear", "apply": "actnn", "bits": 2},
-               {"target": "conv2d", "apply": "actnn", "bits": 2}],
+               {"target": "conv2d", "apply": "actnn", "bits": 2},
+               {"target": "channel_norm", "apply": "actnn", "bits": 2},
+               {"target": "activation", "apply": "fewbit", "bits": 2,
+                "type": ["ReLU", "ReLU6", "LeakyReLU", "Hardtanh"]},
+               {"target": "pool", "apply": "chain"}],
     "backrazor90": [{"target": "linear", "apply": "backrazor", "ratio": 0.9},
                     {"target": "conv2d", "apply": "backrazor", "ratio": 0.9}],
     "pooled2": [{"target": "conv2d", "apply": "pooled", "pool": 2}],

@@ -1,5 +1,6 @@
 """`actnn`: a Linear or Conv2d layer keeps its input, for the weight gradient only, as b-bit
-per-group stochastic codes (ActNN; `ops.quantized`, `templates/actnn_ops.py.jinja`).
+per-group stochastic codes (ActNN; `ops.quantized`, `templates/actnn_ops.py.jinja`); so does a
+batch norm, for its whole backward (`ops.quantized_norms`), its forward eager's.
 
 The codes are shared: the readers of an MS norm that all keep codes of one bit width keep
 the norm's codes of x̂ (`msnorm`), and a layer whose input another op keeps anyway keeps
@@ -18,7 +19,9 @@ from actdesign.errors import ActdesignError
 
 from ..ops.compressed import LeanLinear
 from ..ops.quantized import InputCodes, QConv2d, QLinear
+from ..ops.quantized_norms import is_quantized_norm_forward, quantized_norm_forward
 from .base import Method, Option, integer, register
+from .edits import BoundMethod, Edit
 from .lora import is_lean, kept_elsewhere, plan_lean_lora
 
 
@@ -54,18 +57,22 @@ def bits_of(name, rule) -> tuple[int, int]:
 @register
 class ActNN(Method):
     name = "actnn"
-    targets = ("linear", "conv2d")
+    targets = ("linear", "conv2d", "channel_norm")
     options = {"bits": Option(2, integer(1, 8)), "group_size": Option(256, power_of_two),
                "allocation": Option(None, allocation_file)}
     offers = {kind: tuple({"bits": b} for b in range(1, 9)) for kind in ("linear", "conv2d")}
 
     def attached(self, module) -> bool:
-        return is_lean(module)
+        return is_lean(module) or is_quantized_norm_forward(module.__dict__.get("forward"))
 
     def codes(self, name, module, rule, draft) -> dict:
-        return {} if isinstance(module, nn.Conv2d) else {module: bits_of(name, rule)}
+        return {} if isinstance(module, nn.Conv2d | nn.modules.batchnorm._BatchNorm) \
+            else {module: bits_of(name, rule)}
 
     def replace(self, name, module, rule, draft) -> None:
+        if rule.target == "channel_norm":
+            self._replace_norm(name, module, rule, draft)
+            return
         if module in draft.kept or module in draft.exact:
             # Its input is kept anyway (by an MS norm, or by attention for its backward):
             # codes of it would add bytes and noise, not save them. The exact layer, lean.
@@ -74,6 +81,18 @@ class ActNN(Method):
                        f"LeanLinear (its input is {why}, kept anyway: no codes)")
             return
         super().replace(name, module, rule, draft)
+
+    def _replace_norm(self, name, module, rule, draft) -> None:
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise ActdesignError("only a batch norm keeps codes of its input (its backward "
+                                 "reads x through the batch's statistics)")
+        if "forward" in module.__dict__:
+            raise ActdesignError("its forward is already replaced on the instance")
+        bits, group_size = bits_of(name, rule)
+        draft.edits.append(Edit(module, "forward", BoundMethod(
+            module, quantized_norm_forward, type(module), bits, group_size)))
+        draft.said(name, type(module).__name__, f"keeps {bits}-bit codes of its input; its "
+                                                 "forward and statistics eager's")
 
     def replacement(self, name, module, rule, draft):
         cls = QConv2d if isinstance(module, nn.Conv2d) else QLinear

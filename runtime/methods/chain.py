@@ -87,7 +87,9 @@ class Chain(Method):
                                              "whose outputs are then recipes too")
 
 
-_CHAIN_FORWARDS = (pooled_forward, offering_forward, recomputed_forward)
+# the forwards that offer recipes (a max pool's does not), whose readers' inputs may be made
+# by the ops a block writes
+_CHAIN_FORWARDS = (offering_forward, recomputed_forward)
 
 
 def _pool_words(pool) -> str:

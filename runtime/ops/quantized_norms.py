@@ -1,0 +1,90 @@
+"""ActNN's batch norm: the forward is eager's (the same op, the same running statistics), and
+the input is kept for the backward as b-bit per-group stochastic codes (`InputCodes`), with
+the batch statistics the forward computed, exact. The backward is eager's formula on the
+dequantized input: the input gradient and γ's read x only through x̂ = (x - mean)·invstd.
+
+A module keeps codes where its forward calls `F.batch_norm` on its own input: torch's batch
+norms and their subclasses (timm's with the activation inside, say), the module's class and
+parameters untouched (`quantized_norm_forward` is set on the instance).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .quantized import InputCodes
+
+
+class _QuantizedBatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps,
+                codes):
+        out, mean, invstd, reserve, impl = torch.ops.aten._batch_norm_impl_index(
+            x, weight, bias, running_mean, running_var, training, momentum, eps,
+            torch.backends.cudnn.enabled)
+        kept = codes.compress(x)
+        ctx.save_for_backward(*kept, weight, running_mean, running_var, mean, invstd, reserve)
+        ctx.codes, ctx.count, ctx.shape, ctx.dtype = codes, len(kept), x.shape, x.dtype
+        ctx.training, ctx.eps, ctx.impl = training, eps, impl
+        ctx.channels_last = x.dim() == 4 and not x.is_contiguous() \
+            and x.is_contiguous(memory_format=torch.channels_last)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        kept, (weight, running_mean, running_var, mean, invstd, reserve) = \
+            saved[:ctx.count], saved[ctx.count:]
+        x = ctx.codes.restore(kept, ctx.shape, ctx.dtype)
+        if ctx.channels_last:  # the layout eager's backward had
+            x = x.contiguous(memory_format=torch.channels_last)
+        needs = ctx.needs_input_grad
+        grad_x, grad_w, grad_b = torch.ops.aten._batch_norm_impl_index_backward(
+            ctx.impl, x, grad, weight, running_mean, running_var, mean, invstd, ctx.training,
+            ctx.eps, [needs[0], needs[1], needs[2]], reserve)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+class _QuantizedNorms(TorchFunctionMode):
+    """While open, `F.batch_norm` on `x` keeps codes of x (`_QuantizedBatchNorm`)."""
+
+    def __init__(self, x, codes):
+        super().__init__()
+        self.x, self.codes = x, codes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.batch_norm or not args or args[0] is not self.x:
+            return func(*args, **kwargs)
+        call = dict(zip(("input", "running_mean", "running_var", "weight", "bias", "training",
+                         "momentum", "eps"), args, strict=False), **kwargs)
+        return _QuantizedBatchNorm.apply(
+            call["input"], call.get("weight"), call.get("bias"), call["running_mean"],
+            call["running_var"], call.get("training", False), call.get("momentum", 0.1),
+            call.get("eps", 1e-5), self.codes)
+
+
+def quantized_norm_forward(cls, bits: int, group_size: int):
+    """cls.forward, its batch norm keeping b-bit codes of its input while gradients are
+    wanted (and not under torch.compile, which keeps what it decides)."""
+    forward = cls.forward
+    codes = InputCodes(bits, group_size)
+
+    @functools.wraps(forward)
+    def quantized(self, x, *args, **kwargs):
+        if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad) \
+                or torch.compiler.is_compiling():
+            return forward(self, x, *args, **kwargs)
+        with _QuantizedNorms(x, codes):
+            return forward(self, x, *args, **kwargs)
+
+    quantized.actdesign_codes = codes
+    return quantized
+
+
+def is_quantized_norm_forward(forward) -> bool:
+    return hasattr(getattr(forward, "__func__", None), "actdesign_codes")

@@ -1,0 +1,72 @@
+"""`actnn2` on convolutional networks: every saved tensor of a chain compressed, so the full
+tensors are freed. A batch norm keeps 2-bit codes of its input (forward and running
+statistics eager's), a ReLU a 1-bit mask (exact), a max pool a byte per output."""
+
+import copy
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from actdesign.runtime import compress
+from actdesign.runtime.apply.accounting import account
+
+
+def _bn_step(model, x):
+    torch.manual_seed(3)
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+    return out.detach(), x.grad, [p.grad for p in model.parameters()], list(model.buffers())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_a_batch_norm_with_codes_runs_eagers_forward_and_a_gradient_within_its_step(layout):
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.BatchNorm2d(8)).train()
+    with torch.no_grad():
+        eager[0].weight.uniform_(0.8, 1.2)
+        eager[0].bias.uniform_(-0.1, 0.1)
+    ours = copy.deepcopy(eager)
+    rules = {"rules": [{"target": "channel_norm", "apply": "actnn", "bits": 8}]}
+    assert compress(ours, rules).replaced
+    x = torch.randn(4, 8, 6, 6) * 3 + 1
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    want, got = _bn_step(eager, x), _bn_step(ours, x)
+    assert torch.equal(want[0], got[0])  # the forward
+    assert all(torch.equal(a, b) for a, b in zip(want[3], got[3], strict=True))  # statistics
+    # 8-bit codes: x within 1/255 of its group's range, so x̂ within about 1/255 of the
+    # range of x̂ (12 here): the gradients move by that fraction of their size, 1/255 * 12
+    for a, b in zip((want[1], want[2][0]), (got[1], got[2][0]), strict=True):
+        assert (a - b).abs().max() <= 12 / 255 * a.abs().max()
+        assert not torch.equal(a, b)  # the codes are read, not x
+    assert torch.equal(want[2][1], got[2][1])  # β's gradient reads no x
+
+
+def test_a_relu_keeps_a_one_bit_mask_with_eagers_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    ours = copy.deepcopy(model)
+    report = compress(ours, {"rules": [{"target": "activation", "apply": "fewbit", "bits": 3}]})
+    assert "1-bit" in report.replaced[0].new
+    x = torch.randn(2, 3, 10, 10)  # no input of the ReLU is exactly 0
+    want, got = _bn_step(model, x), _bn_step(ours, x)
+    assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))
+
+
+def test_actnn2_frees_the_full_tensors_of_a_resnet():
+    """On a ResNet every tensor is compressed: ActNN's own bits (2 per element of a conv's or
+    a norm's input, 1 per ReLU's), about an eighth of eager's 32 + 32 per element or less."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).train()
+    x = torch.randn(4, 3, 64, 64)
+    ours = copy.deepcopy(model)
+    report = compress(ours, "actnn2", x[:2])
+    assert report.skipped == []
+    saved = [account(m, lambda m=m: m(x))[0].total for m in (model, ours)]
+    assert saved[1] <= saved[0] / 8
+    ours(x).square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
