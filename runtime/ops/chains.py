@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .sharing import keep, kept_for, offer, restore
+from .sharing import Whole, keep, kept_for, offer, restore
 
 
 class Recipe:
@@ -236,7 +236,7 @@ class _Product(torch.autograd.Function):
         out = torch.mul(a, b)
         kept, ctx.how, ctx.counts = [], [], []
         for factor, other_needs in ((a, ctx.needs_input_grad[1]), (b, ctx.needs_input_grad[0])):
-            saved, how = keep(factor, _Whole) if other_needs else ((), None)
+            saved, how = keep(factor, Whole) if other_needs else ((), None)
             kept += saved
             ctx.how.append(how)
             ctx.counts.append(len(saved))
@@ -250,7 +250,7 @@ class _Product(torch.autograd.Function):
         for i, (how, count) in enumerate(zip(ctx.how, ctx.counts, strict=True)):
             part, saved = saved[:count], saved[count:]
             factors.append(None if how is None else
-                           restore(part, how, _Whole, ctx.shapes[i], ctx.dtypes[i]))
+                           restore(part, how, Whole, ctx.shapes[i], ctx.dtypes[i]))
         a, b = factors
         grad_a = (grad * b).sum_to_size(ctx.shapes[0]) if ctx.needs_input_grad[0] else None
         grad_b = (grad * a).sum_to_size(ctx.shapes[1]) if ctx.needs_input_grad[1] else None
@@ -291,7 +291,7 @@ class _Recomputed(torch.autograd.Function):
         with torch.no_grad():
             y = run(x)
         _, _, make = kept_for(x)
-        kept, ctx.how = keep(x, _Whole)
+        kept, ctx.how = keep(x, Whole)
         ctx.save_for_backward(*kept, *params)
         ctx.run, ctx.count, ctx.shape, ctx.dtype = run, len(kept), x.shape, x.dtype
         if isinstance(make, Recipe):  # y's recipe: x's, one op further
@@ -304,7 +304,7 @@ class _Recomputed(torch.autograd.Function):
     def backward(ctx, grad):
         saved = ctx.saved_tensors
         kept, params = saved[:ctx.count], saved[ctx.count:]
-        x = restore(kept, ctx.how, _Whole, ctx.shape, ctx.dtype)
+        x = restore(kept, ctx.how, Whole, ctx.shape, ctx.dtype)
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:], strict=True) if need]
         with torch.enable_grad():
             leaf = x.detach().requires_grad_(ctx.needs_input_grad[0])
@@ -314,18 +314,6 @@ class _Recomputed(torch.autograd.Function):
         grads = iter(got)
         return grad_x, None, *(next(grads) if need else None
                                for need in ctx.needs_input_grad[2:])
-
-
-class _Whole:
-    """A keeper (`sharing.keep`) that keeps a tensor, or what its producer offers, whole."""
-
-    @staticmethod
-    def compress(x):
-        return (x,)
-
-    @staticmethod
-    def restore(saved, shape, dtype):
-        return saved[0]
 
 
 def recomputed_forward(cls):

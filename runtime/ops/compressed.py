@@ -22,7 +22,7 @@ from torch import nn
 from actdesign.errors import ActdesignError
 
 from .known_modules import is_hf_conv1d
-from .sharing import keep, restore
+from .sharing import Whole, keep, restore
 
 
 def compressed_call(layer, x, weight, bias):
@@ -189,29 +189,13 @@ class CompressedConv2d(nn.Conv2d):
         return grad_x, grad_w, grad_b
 
 
-class LeanLinear(CompressedLinear):
+class LeanLinear(Whole, CompressedLinear):
     """nn.Linear, exact, keeping for the backward its input and the weight itself: under
     autocast no 16-bit copy of the weight waits for the backward (2 bytes per parameter)."""
 
-    @staticmethod
-    def compress(x):
-        return (x,)
 
-    @staticmethod
-    def restore(saved, shape, dtype):
-        return saved[0]
-
-
-class LeanConv2d(CompressedConv2d):
+class LeanConv2d(Whole, CompressedConv2d):
     """nn.Conv2d, exact, keeping for the backward its input (or what its producer keeps in its
     place, where it offers it) and the weight itself: under autocast no 16-bit copy of the
     weight waits for the backward."""
-
-    @staticmethod
-    def compress(x):
-        return (x,)
-
-    @staticmethod
-    def restore(saved, shape, dtype):
-        return saved[0]
 

@@ -57,6 +57,18 @@ def _covered(x):
     return x
 
 
+class Whole:
+    """A keeper (`keep`) that keeps a tensor, or what its producer offers, whole."""
+
+    @staticmethod
+    def compress(x):
+        return (x,)
+
+    @staticmethod
+    def restore(saved, shape, dtype):
+        return saved[0]
+
+
 def offer(y, primary, extras, make) -> None:
     """Tell the readers of y = make(primary, *extras, dtype=y.dtype) that they may keep `primary`
     (or a compressed copy of it) and `extras` instead of y: tensors its producer keeps
