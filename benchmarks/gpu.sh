@@ -19,6 +19,12 @@
 #   margins: benchmarks/gpu_margins.py measures the card's memory margins for `estimate`
 #      (the CUDA context, the allocator's fragmentation per policy family; merged into the
 #      same card file), then runs a real step where the estimate fits with little to spare.
+# Vision (each under 8 minutes; timm is carried as a wheel like Liger-Kernel and PEFT):
+#   vision: benchmarks/gpu_vision.py, ResNet-50 at 64 x 224² in bf16 autocast, channels_last:
+#      step time and max_memory_allocated for eager, torch.compile, timm's checkpointing, cnn,
+#      actnn2 and cnn+actnn2, and the estimate's peak beside the measured one;
+#   vision_batch: the largest batch each preset fits on the card by the estimate, and one
+#      real step at it.
 # Long sequences (under 8 minutes; run it alone):
 #   long: benchmarks/gpu_long.py, the host link's copy rate, then LoRA r=16 on the
 #      Llama-3.1-8B config at 32K, 64K and 128K tokens with llm+tiled+offload and with
@@ -37,7 +43,8 @@
 #   plan: `plan` for the 1B LLaMA at 1 x 4096 under a budget of 0.35 of its saved bytes;
 #   gpu_check: every kernel against the CPU reference, and the step cost of actnn2.
 # Liger-Kernel and PEFT are carried as wheels in $WHEELS (default wheels/, made here by
-# `pip download --no-deps -d wheels liger-kernel peft accelerate`); the device cannot download.
+# `pip download --no-deps -d wheels liger-kernel peft accelerate timm`); the device cannot
+# download.
 # Usage, from the repository root:
 #   bash benchmarks/gpu.sh [OUTDIR [STAGES]]   (OUTDIR: $OUT or out; STAGES: comma-separated,
 #                                               default speed)
@@ -59,7 +66,7 @@ stage() {  # stage NAME SECONDS COMMAND...: output to OUTDIR/NAME.txt and to the
     [ "$rc" -eq 0 ] || { echo "== $name: exit $rc"; status=1; }
 }
 # The device may lack Liger-Kernel or PEFT and cannot download: carried wheels install.
-for package in liger_kernel peft; do
+for package in liger_kernel peft timm; do
     python -c "import $package" 2>/dev/null || python -m pip install --quiet --no-deps \
         --no-index --find-links "${WHEELS:-wheels}" "${package/_/-}" accelerate 2>/dev/null \
         || echo "== $package is not installed and no wheel was carried"
@@ -112,5 +119,7 @@ stage runtime 210 python benchmarks/runtime.py --device cuda --acts gelu --markd
 stage llm_memory 180 python benchmarks/llm_memory.py --device cuda --batch 16 --seq 1024 --at-peak \
     --repeats 5 --markdown
 stage gpu_check 240 python benchmarks/gpu_check.py --device cuda
+stage vision 420 python benchmarks/gpu_vision.py --device cuda --repeats 5 --markdown
+stage vision_batch 420 python benchmarks/gpu_vision.py --device cuda --max-batch --markdown
 stage long 470 python benchmarks/gpu_long.py --device cuda --seconds 330 --markdown
 exit $status
