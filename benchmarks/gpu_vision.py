@@ -128,7 +128,7 @@ def main():
         seconds, loss_fn = timed_steps(model, x, labels, args.device, args.precision,
                                        args.repeats)
         if cuda:
-            peak, aside, _ = cuda_step(model, lambda: loss_fn())
+            peak, aside, _ = cuda_step(model, loss_fn)
         else:
             peak = aside = 0
         base = base or (seconds, peak or 1)

@@ -13,7 +13,6 @@ within the spread of eager's curves over the seeds.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 from pathlib import Path
