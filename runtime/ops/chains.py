@@ -8,15 +8,15 @@ those readers can keep instead the *recipe* that makes its tensor again from c, 
 own ops: the same bits. Here:
 
 - a recipe is a tree of ops over leaves, tensors something keeps anyway (a BN's input, a max
-  pool's window offsets, the image): `Recipe`. It rides on the tensor it makes through the
+  pool's output, the image): `Recipe`. It rides on the tensor it makes through the
   sharing protocol (`sharing.offer`), so every reader that reads offers keeps the recipe's
   leaves, which are kept anyway, in place of the tensor (`LeanConv2d`, `QConv2d`...);
 - a BatchNorm in training keeps what eager's keeps (c and its statistics) and offers its
-  output as a recipe from c (`offering_norm`);
+  output as a recipe from c (`offering_forward`);
 - an activation, or a norm without state (GroupNorm, a channels-first LayerNorm, a frozen
   BatchNorm), keeps only the recipe of its input (or the input itself) and computes its own
   backward by running its forward again on it with autograd: eager's backward, bit for bit
-  (`recomputed`);
+  (`recomputed_forward`);
 - a max pool keeps, in place of its input and an int64 index per output, the offset of the
   maximum in its window, one byte (`pooled_forward`); its output is a leaf of the recipes
   after it (a quarter of its input or less, kept by its readers);
@@ -27,8 +27,8 @@ own ops: the same bits. Here:
 
 A rebuilt tensor has the original's bits and strides. Rebuilding runs elementwise ops (and a
 BatchNorm's statistics once more); a residual block's output is rebuilt through the blocks
-before it in its stage, a few passes each. Under torch.compile nothing is offered: the
-compiler decides what to keep.
+before it in its stage, a few passes each. Under torch.compile and inside a checkpoint
+nothing is offered: the compiler or the checkpoint decides what to keep.
 """
 
 from __future__ import annotations
