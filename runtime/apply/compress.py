@@ -229,6 +229,11 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
         draft.codes |= METHODS[rule.apply].codes(name, m, rule, draft)
     if draft.run is not None and draft.codes:
         draft.kept = inputs_kept_elsewhere(model, set(draft.codes), draft.run)
+    copying = {m for m, rule in draft.chosen.values()
+               if isinstance(m, nn.Conv2d) and METHODS[rule.apply].copies_conv_input}
+    if draft.run is not None and copying:  # kept by a module no rule replaces
+        draft.kept |= inputs_kept_elsewhere(model, copying, draft.run,
+                                            planned={m for m, _ in draft.chosen.values()})
     for method in METHODS.values():
         chosen = {n: c for n, c in draft.chosen.items() if c[1].apply == method.name}
         if chosen:

@@ -160,11 +160,14 @@ def norm_consumers(model: torch.nn.Module, norms: dict, run) -> dict:
     return result
 
 
-def inputs_kept_elsewhere(model: torch.nn.Module, candidates: set, run) -> set:
+def inputs_kept_elsewhere(model: torch.nn.Module, candidates: set, run, planned=()) -> set:
     """The modules among `candidates` whose input autograd also keeps for something that is
     not a candidate (attention keeping its output, which the next projection reads; a norm
     keeping its output): a compressed copy of that input would add bytes, not replace
-    them. Found on one forward of `run()` with grad, noting who saves each storage."""
+    them. What a module in `planned` saves is not counted: a rule replaces it, and it will
+    keep something else. Found on one forward of `run()` with grad, noting who saves each
+    storage."""
+    owners = set(candidates) | set(planned)
     stack, inputs, savers, alive = [], {}, {}, []
 
     def pre(module, first):
@@ -174,7 +177,7 @@ def inputs_kept_elsewhere(model: torch.nn.Module, candidates: set, run) -> set:
             alive.append(first)  # its address stays its own: no later storage reuses it
 
     def pack(t):
-        owner = next((m for m in reversed(stack) if m in candidates), None)
+        owner = next((m for m in reversed(stack) if m in owners), None)
         savers.setdefault(storage_key(t), set()).add(owner)
         return t
 

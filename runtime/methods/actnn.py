@@ -57,6 +57,7 @@ def bits_of(name, rule) -> tuple[int, int]:
 @register
 class ActNN(Method):
     name = "actnn"
+    copies_conv_input = True
     targets = ("linear", "conv2d", "channel_norm")
     options = {"bits": Option(2, integer(1, 8)), "group_size": Option(256, power_of_two),
                "allocation": Option(None, allocation_file)}
@@ -73,7 +74,7 @@ class ActNN(Method):
         if rule.target == "channel_norm":
             self._replace_norm(name, module, rule, draft)
             return
-        if module in draft.kept or module in draft.exact:
+        if not isinstance(module, nn.Conv2d) and (module in draft.kept or module in draft.exact):
             # Its input is kept anyway (by an MS norm, or by attention for its backward):
             # codes of it would add bytes and noise, not save them. The exact layer, lean.
             why = "an MS norm's x̂" if module in draft.exact else "kept by another op"

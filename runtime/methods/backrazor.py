@@ -22,6 +22,7 @@ def fraction(value, where, base=None):
 @register
 class BackRazor(Method):
     name = "backrazor"
+    copies_conv_input = True
     targets = ("linear", "conv2d")
     options = {"ratio": Option(0.9, fraction), "int8": Option(False, boolean)}
     offers = {kind: ({"ratio": 0.5}, {"ratio": 0.9}) for kind in ("linear", "conv2d")}

@@ -22,7 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import nn
+
 from actdesign.errors import ActdesignError
+
+from ..ops.compressed import LeanConv2d
 
 # name -> the method, in the order the registering modules are imported (`methods/__init__`)
 METHODS: dict[str, Method] = {}
@@ -82,6 +86,9 @@ class Method:
     options: dict[str, Option] = {}
     family = "eager"  # a card's margins: eager, llm (lossless ops) or checkpointing
     fallback = False  # in presets joined by '+', its rules come last (the default for the rest)
+    # it keeps a compressed copy of a convolution's input: where another op keeps that input
+    # whole anyway, the copy would add bytes, and the convolution stays exact and lean instead
+    copies_conv_input = False
     offers: dict[str, tuple[dict, ...]] = {}  # the planner's options: site kind -> values
 
     # --- matching ----------------------------------------------------------------------
@@ -121,6 +128,11 @@ class Method:
         """Plan one module: a swap (`draft.swap`) or edits (`draft.edits`), each said in
         the report (`draft.said`). An ActdesignError leaves the module alone, its message
         the reason the report gives."""
+        if self.copies_conv_input and isinstance(module, nn.Conv2d) and module in draft.kept:
+            draft.swap(name, module, LeanConv2d.from_module(module),
+                       "LeanConv2d (its input is kept whole by another op anyway: a copy "
+                       "would add bytes, not free them)")
+            return
         new, words = self.replacement(name, module, rule, draft)
         draft.swap(name, module, new, words)
 

@@ -10,6 +10,7 @@ from .base import Method, Option, integer, register
 @register
 class Pooled(Method):
     name = "pooled"
+    copies_conv_input = True
     targets = ("conv2d",)
     options = {"pool": Option(2, integer(1, 64))}
     offers = {"conv2d": ({"pool": 2},)}

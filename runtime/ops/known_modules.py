@@ -122,16 +122,15 @@ def is_norm(m: nn.Module) -> bool:
         and any(hasattr(m, a) for a in _NORM_ATTRIBUTES)
 
 
-# Norms over the channels of (N, C, ...) maps: torch's batch and sync-batch norms (their
-# statistics over N and the rest), group norms, and other libraries' channels-first layer norms
-# and frozen batch norms, by name (or a layer norm set to data_format "channels_first").
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+# other libraries' channels-first layer norms and frozen batch norms, by name
 _CHANNEL_NORM_NAME = re.compile(r"(LayerNorm2d|FrozenBatchNorm2d)$")
 
 
 def is_channel_norm(m: nn.Module) -> bool:
-    """A norm over the channels of (N, C, ...) maps (see BATCH_NORMS above; their subclasses
-    too, timm's with the activation inside say)."""
+    """A norm over the channels of (N, C, ...) maps: torch's batch norms (sync-batch norms
+    and subclasses too, timm's with the activation inside say), group norms, and other
+    libraries' channels-first layer norms and frozen batch norms (by name, or a layer norm
+    set to data_format "channels_first")."""
     if isinstance(m, nn.modules.batchnorm._BatchNorm) or type(m) is nn.GroupNorm:
         return True
     if type(m).__module__.startswith(("torch.", "actdesign.", "actdesign_ops_")):
