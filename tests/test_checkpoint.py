@@ -179,7 +179,9 @@ def block_inputs(model, blocks, inputs):
     return got
 
 
-@pytest.mark.parametrize("case", ["llama-llm+actnn2", "cnn-actnn2"])
+# (not cnn-actnn2: there a block keeps 2 bits or less per element of each tensor, less than
+# its input in full, which a recomputed block keeps)
+@pytest.mark.parametrize("case", ["llama-llm+actnn2", "cnn-pooled2"])
 def test_a_recomputed_block_keeps_its_inputs_only(case):
     build, policy, blocks = CASES[case]
     plain, model, inputs, _ = compressed_pair(build, policy)
