@@ -3,8 +3,11 @@ switched on before Triton is first imported; generated modules go to a per-sessi
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).parent))  # the tests' helpers (lms, bounds), any order
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
