@@ -388,8 +388,7 @@ class _OfferedNorms(TorchFunctionMode):
         kwargs = kwargs or {}
         y = func(*args, **kwargs)
         if func is F.batch_norm and args and args[0] is self.x:
-            call = dict(zip(("input", "running_mean", "running_var", "weight", "bias",
-                             "training", "momentum", "eps"), args, strict=False), **kwargs)
+            call = batch_norm_call(args, kwargs)
             norm = (call["input"], call.get("weight"), call.get("bias"), call.get("eps", 1e-5))
             if call.get("training", False):
                 offer_recipe(y, _leaf_recipe(_batch_norm_again, norm))
@@ -398,6 +397,12 @@ class _OfferedNorms(TorchFunctionMode):
                     norm[0], call["running_mean"], call["running_var"], *norm[1:3], False,
                     0.0, norm[3])))
         return y
+
+
+def batch_norm_call(args, kwargs) -> dict:
+    """`F.batch_norm`'s arguments by name, as a call passed them."""
+    return dict(zip(("input", "running_mean", "running_var", "weight", "bias", "training",
+                     "momentum", "eps"), args, strict=False), **kwargs)
 
 
 _OFFERING_FORWARDS: dict = {}

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .chains import batch_norm_call
 from .quantized import InputCodes
 
 
@@ -60,8 +61,7 @@ class _QuantizedNorms(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.batch_norm or not args or args[0] is not self.x:
             return func(*args, **kwargs)
-        call = dict(zip(("input", "running_mean", "running_var", "weight", "bias", "training",
-                         "momentum", "eps"), args, strict=False), **kwargs)
+        call = batch_norm_call(args, kwargs)
         return _QuantizedBatchNorm.apply(
             call["input"], call.get("weight"), call.get("bias"), call["running_mean"],
             call["running_var"], call.get("training", False), call.get("momentum", 0.1),
