@@ -70,3 +70,32 @@ def test_actnn2_frees_the_full_tensors_of_a_resnet():
     assert saved[1] <= saved[0] / 8
     ours(x).square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
+
+
+@pytest.mark.parametrize("precision", ["autocast", "bf16 weights"])
+def test_a_batch_norm_with_codes_keeps_eagers_forward_in_bf16(precision):
+    """bf16 as users train: the codes hold a bf16 input and restore it as bf16; the forward
+    and the running statistics stay eager's bits, the gradients move by the code step plus
+    bf16's own rounding of the restored input (2^-8 of its size)."""
+    torch.manual_seed(0)
+    # no conv bias, as before every batch norm: its exact gradient is 0, a batch norm's
+    # input gradient summing to 0 per channel, so both runs' values are rounding noise
+    eager = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8)).train()
+    with torch.no_grad():
+        eager[1].weight.uniform_(0.8, 1.2)
+        eager[1].bias.uniform_(-0.1, 0.1)
+    if precision == "bf16 weights":
+        eager = eager.to(torch.bfloat16)
+    ours = copy.deepcopy(eager)
+    rules = {"rules": [{"target": "channel_norm", "apply": "actnn", "bits": 8}]}
+    assert compress(ours, rules).replaced
+    x = torch.randn(4, 3, 10, 10, dtype=next(eager.parameters()).dtype) * 3 + 1
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        want, got = _bn_step(eager, x), _bn_step(ours, x)
+    assert want[0].dtype == torch.bfloat16
+    assert torch.equal(want[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(want[3], got[3], strict=True))
+    step = 12 / 255 + 2 ** -8
+    for a, b in zip((want[1], *want[2]), (got[1], *got[2]), strict=True):
+        assert (a.float() - b.float()).abs().max() <= step * a.float().abs().max()
+    assert not torch.equal(want[1], got[1])  # the codes are read, not x

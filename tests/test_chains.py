@@ -147,6 +147,15 @@ def test_compress_leaves_the_running_statistics_as_they_were():
     assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
 
 
+def test_compressing_twice_changes_nothing_more():
+    """A second `compress` with the same preset finds every chain taken: nothing replaced,
+    nothing left alone, and the step still eager's bit for bit."""
+    eager, ours, x = _compressed("tv-resnet18")
+    report = compress(ours, "cnn", example_inputs=x)
+    assert (report.replaced, report.skipped) == ([], [])
+    _same_step(eager, ours, x)
+
+
 def test_joins_with_a_quantizing_preset():
     """cnn+actnn2: the quantized layers read the chains' recipes; the step still trains."""
     eager, _, x = _compressed("tv-resnet18")
