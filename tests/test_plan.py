@@ -26,7 +26,7 @@ RECOMPUTED = {"rules": [*policy.load("llm+actnn2").to_dict()["rules"],
                         {"target": "block", "apply": "checkpoint"}]}
 APPLIED = CASES + [("llama-tiny+lora", "llm+actnn2"), ("llama-tiny", RECOMPUTED)]
 # Every function that runs the model, a part of it or a module's code on a probe.
-PROBES = [(compress_module, "account"), (compress_module, "inputs_kept_elsewhere"),
+PROBES = [(compress_module, "account"), (compress_module, "record_saves"),
           (compress_module, "norm_consumers"), (models, "call"), (fused_ce, "probe_losses"),
           (glu, "_check_probe"), (norms, "_probe_formula"), (rope_method, "is_standard")]
 
@@ -120,7 +120,7 @@ def test_a_fault_in_any_probe_leaves_the_model_as_it_was(name, policy, monkeypat
     used = {fn for fn, calls in counts.items() if calls[0]}
     # LLaMA's llm+actnn2 runs every kind of probe; GPT-2's policy those on the whole model
     assert used == ({fn for _, fn in PROBES} if name == "llama-tiny" else
-                    {"account", "inputs_kept_elsewhere", "norm_consumers", "call"})
+                    {"account", "record_saves", "norm_consumers", "call"})
     for owner, fn in PROBES:
         for k in range(1, counts[fn][0] + 1):
             with monkeypatch.context() as m:

@@ -37,7 +37,7 @@ from ..ops.draws import probing
 from ..ops.known_modules import is_lora_linear
 from . import policy as policy_mod
 from .accounting import SavedBytes, account
-from .trace import inputs_kept_elsewhere, norm_consumers
+from .trace import norm_consumers, record_saves
 
 
 @dataclass
@@ -227,13 +227,13 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
             report.before, _ = account(model, draft.run)
     for name, (m, rule) in draft.chosen.items():
         draft.codes |= METHODS[rule.apply].codes(name, m, rule, draft)
-    if draft.run is not None and draft.codes:
-        draft.kept = inputs_kept_elsewhere(model, set(draft.codes), draft.run)
     copying = {m for m, rule in draft.chosen.values()
                if isinstance(m, nn.Conv2d) and METHODS[rule.apply].copies_conv_input}
-    if draft.run is not None and copying:  # kept by a module no rule replaces
-        draft.kept |= inputs_kept_elsewhere(model, copying, draft.run,
-                                            planned={m for m, _ in draft.chosen.values()})
+    if draft.run is not None and (draft.codes or copying):
+        saves = record_saves(model, set(draft.codes) | copying, draft.run)
+        # coded inputs kept by anything uncoded; copied conv inputs by a module no rule replaces
+        draft.kept = saves.inputs_kept_elsewhere(set(draft.codes)) | \
+            saves.inputs_kept_elsewhere(copying, planned={m for m, _ in draft.chosen.values()})
     for method in METHODS.values():
         chosen = {n: c for n, c in draft.chosen.items() if c[1].apply == method.name}
         if chosen:

@@ -160,28 +160,45 @@ def norm_consumers(model: torch.nn.Module, norms: dict, run) -> dict:
     return result
 
 
-def inputs_kept_elsewhere(model: torch.nn.Module, candidates: set, run, planned=()) -> set:
-    """The modules among `candidates` whose input autograd also keeps for something that is
-    not a candidate (attention keeping its output, which the next projection reads; a norm
-    keeping its output): a compressed copy of that input would add bytes, not replace
-    them. What a module in `planned` saves is not counted: a rule replaces it, and it will
-    keep something else. Found on one forward of `run()` with grad, noting who saves each
+class Saves:
+    """Who keeps what on one forward with grad (`record_saves`): the input storage of each
+    watched module, and the module stacks that were running when autograd saved each
     storage."""
-    owners = set(candidates) | set(planned)
-    stack, inputs, savers, alive = [], {}, {}, []
+
+    def __init__(self):
+        self.inputs, self.stacks = {}, {}
+
+    def inputs_kept_elsewhere(self, candidates: set, planned=()) -> set:
+        """The modules among `candidates` whose input autograd also keeps for something that
+        is not a candidate (attention keeping its output, which the next projection reads; a
+        norm keeping its output): a compressed copy of that input would add bytes, not
+        replace them. What a module in `planned` saves is not counted: a rule replaces it,
+        and it will keep something else."""
+        owners = set(candidates) | set(planned)
+
+        def elsewhere(stack):  # no candidate or planned module around the save
+            return not any(m in owners for m in stack)
+
+        return {m for m, key in self.inputs.items()
+                if m in candidates and any(map(elsewhere, self.stacks.get(key, ())))}
+
+
+def record_saves(model: torch.nn.Module, watched: set, run) -> Saves:
+    """One forward of `run()` with grad, noting the input storage of each module in
+    `watched` and the module stack under which autograd saves each storage."""
+    saves, stack, alive = Saves(), [], []
 
     def pre(module, first):
         stack.append(module)
-        if module in candidates and isinstance(first, torch.Tensor):
-            inputs[module] = storage_key(first)
+        if module in watched and isinstance(first, torch.Tensor):
+            saves.inputs[module] = storage_key(first)
             alive.append(first)  # its address stays its own: no later storage reuses it
 
     def pack(t):
-        owner = next((m for m in reversed(stack) if m in owners), None)
-        savers.setdefault(storage_key(t), set()).add(owner)
+        saves.stacks.setdefault(storage_key(t), set()).add(tuple(stack))
         return t
 
     with _module_hooks(model, pre, lambda module, output: stack.pop()), torch.enable_grad(), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
-    return {m for m, ptr in inputs.items() if None in savers.get(ptr, ())}
+    return saves
