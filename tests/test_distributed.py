@@ -34,6 +34,8 @@ BATCH, TOKENS, WIDTH, HIDDEN = 8, 3, 16, 32
 ROUNDOFF = 1e-12
 DDP_CASES = ("fewbit3", "regelu2", "msnorm", "backrazor90", "actnn2")
 FSDP_CASE = "fewbit3+msnorm+backrazor90"  # every deterministic kind of module
+# The lossless conv chains on a small conv net, with batch norms and with group norms.
+CONV_CASES = [("ddp-conv-batch", "cnn"), ("ddp-conv-group", "cnn")]
 LM_CASES = [("fsdp-head", "llm"), ("wrapped", "llm"), ("fsdp-lora", "llm"), ("fsdp-moe", "llm"),
             ("fsdp-cpu-offload", "llm+offload"), ("fsdp-lora-tiled", "llm")]
 # What each policy must replace, so that a no-op compress cannot pass.
@@ -71,6 +73,47 @@ def make_model(policy):
         model.norm.weight.uniform_(0.5, 1.5)
         model.norm.bias.uniform_(-0.5, 0.5)
     report = None if policy is None else compress(model, policy, example_inputs=(batch()[0],))
+    return model, report
+
+
+class ConvNet(nn.Module):
+    """conv, norm, ReLU, max pool; a residual conv and norm; a mean-pooled head: the parts
+    of a ResNet a chain joins."""
+
+    def __init__(self, norm):
+        super().__init__()
+        def make(channels):
+            return nn.BatchNorm2d(channels) if norm == "batch" else nn.GroupNorm(2, channels)
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.norm1 = make(8)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.norm2 = make(8)
+        self.relu = nn.ReLU()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.pool(self.relu(self.norm1(self.conv1(x))))
+        y = self.relu(y + self.norm2(self.conv2(y)))
+        return self.head(y.mean((2, 3)))
+
+
+def images():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(BATCH, 3, 12, 12, generator=g, dtype=torch.float64)
+    return x, torch.randn(BATCH, 4, generator=g, dtype=torch.float64)
+
+
+def make_conv(norm, policy):
+    """(the float64 conv net with trained-like norms, compress report or None)."""
+    torch.manual_seed(0)
+    model = ConvNet(norm).double()
+    with torch.no_grad():
+        for m in (model.norm1, model.norm2):
+            m.weight.uniform_(0.8, 1.2)
+            m.bias.uniform_(-0.1, 0.1)
+    report = None if policy is None else compress(model, policy,
+                                                  example_inputs=(images()[0][:2],))
     return model, report
 
 
@@ -184,11 +227,32 @@ def run_lm_case(rank, mode, policy):
             "tiles": sorted(tiles, key=str)}
 
 
+def run_conv_case(rank, mode, policy):
+    """The conv net under DDP, eager and compressed, each rank on its half: loss, averaged
+    gradients and the running statistics (each rank's own: CPU has no SyncBatchNorm)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    x, target = images()
+    local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    out = {}
+    for name, applied in (("eager", None), ("compressed", policy)):
+        model, _ = make_conv(mode.removeprefix("ddp-conv-"), applied)
+        loss = step(DistributedDataParallel(model), x[local], target[local])
+        dist.all_reduce(loss)
+        out[name] = {"loss": loss / WORLD,
+                     "grads": {n: p.grad for n, p in model.named_parameters()},
+                     "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+    return out["compressed"] | {"eager": out["eager"]}
+
+
 def run_case(rank, mode, policy):
     import torch.distributed as dist
 
     if policy.startswith("llm"):
         return run_lm_case(rank, mode, policy)
+    if mode.startswith("ddp-conv"):
+        return run_conv_case(rank, mode, policy)
     x, target = batch()
     local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
     model, _ = make_model(policy)  # compressed before wrapping, as compress requires
@@ -216,7 +280,8 @@ def worker(rank, out: Path):
     dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
     results = {}
-    for mode, policy in [("ddp", p) for p in DDP_CASES] + [("fsdp", FSDP_CASE)] + LM_CASES:
+    for mode, policy in [("ddp", p) for p in DDP_CASES] + [("fsdp", FSDP_CASE)] + CONV_CASES + \
+            LM_CASES:
         try:
             results[mode, policy] = run_case(rank, mode, policy)
         except Exception:  # reported by the test of this case; the others still run
@@ -241,6 +306,10 @@ def reference():
         assert {c.name for c in report.replaced} == REPLACED[policy], str(report)
         loss = step(model, *batch())
         out[policy] = loss, {name: p.grad for name, p in model.named_parameters()}
+    model, report = make_conv("group", "cnn")
+    assert {"norm1", "norm2", "pool", "relu"} <= {c.name for c in report.replaced}, str(report)
+    loss = step(model, *images())
+    out["cnn group"] = loss, {name: p.grad for name, p in model.named_parameters()}
     for lora in (False, True) if importlib.util.find_spec("peft") else (False,):
         model, report, ids = make_lm(lora)
         assert any(c.new.startswith("FusedLossHead") for c in report.replaced), str(report)
@@ -304,6 +373,24 @@ def assert_matches(runs, loss, grads):
 @pytest.mark.parametrize("policy", [p for p in DDP_CASES if p != "actnn2"])
 def test_ddp_matches_one_process(policy, reference, ranks):
     assert_matches(results_of(ranks, ("ddp", policy)), *reference[policy])
+
+
+def test_ddp_on_a_conv_net_with_batch_norms_is_eagers_bit_for_bit(ranks):
+    """Each rank normalises its own half, as eager does under DDP without SyncBatchNorm
+    (which torch runs on GPUs only): per rank, the compressed net's loss, averaged
+    gradients and running statistics are the eager net's under DDP, bit for bit."""
+    for run in results_of(ranks, ("ddp-conv-batch", "cnn")):
+        eager = run["eager"]
+        assert torch.equal(run["loss"], eager["loss"])
+        for key in ("grads", "buffers"):
+            assert run[key].keys() == eager[key].keys()
+            assert [n for n, t in eager[key].items() if not torch.equal(run[key][n], t)] == []
+        assert not torch.equal(eager["buffers"]["norm1.running_mean"],
+                               torch.zeros(8, dtype=torch.float64))  # the statistics moved
+
+
+def test_ddp_on_a_conv_net_with_group_norms_matches_one_process(reference, ranks):
+    assert_matches(results_of(ranks, ("ddp-conv-group", "cnn")), *reference["cnn group"])
 
 
 def test_fsdp2_matches_one_process(reference, ranks):
