@@ -82,8 +82,33 @@ class _CompressedInput(torch.autograd.Function):
         with autocast_off(g.device.type):  # as in the forward
             cast = weight.to(ctx.weight_dtype)
             x = restore(saved, ctx.how, layer, ctx.shape, ctx.dtype) if needs[1] else None
-            grad_x, grad_w, grad_b = layer.gradients(x, ctx.shape, cast, g, needs)
+            if needs[0] and x is not None and not _shares_storage(x, saved) \
+                    and layer.input_grad_needs_no_input(x):
+                # x made anew (from codes, or rebuilt): the weight's gradient first and x
+                # freed before the input's, so x and the input gradient are never alive
+                # together (each is eager's computation, bit for bit)
+                _, grad_w, grad_b = layer.gradients(x, ctx.shape, cast, g, (False, *needs[1:]))
+                del x
+                grad_x, _, _ = layer.gradients(None, ctx.shape, cast, g, (True, False, False))
+            else:
+                grad_x, grad_w, grad_b = layer.gradients(x, ctx.shape, cast, g, needs)
         return grad_x, None if grad_w is None else grad_w.to(weight.dtype), grad_b, None, None
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _shares_storage(x, saved) -> bool:
+    """Whether x is (a view of) a saved tensor: the storage object, which views share, for
+    fake tensors too (their data pointers are 0)."""
+    key = x.untyped_storage()._cdata
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata == key
+               for t in saved)
 
 
 class CompressedLinear(nn.Linear):
@@ -120,6 +145,9 @@ class CompressedLinear(nn.Linear):
         # their order
         grad_b = g.reshape(-1, g.shape[-1]).sum(0) if needs[2] else None
         return grad_x, grad_w, grad_b
+
+    def input_grad_needs_no_input(self, x) -> bool:
+        return True  # g @ W
 
     def input_grad(self, shape, weight, g):
         return g @ (weight.T if self.transposed else weight)
@@ -173,6 +201,13 @@ class CompressedConv2d(nn.Conv2d):
             left.append(total // 2)
             pad[2 * (1 - i) + 1] = total - 2 * (total // 2)  # the extra row or column, after
         return (F.pad(x, pad) if any(pad) else x), tuple(left)
+
+    def input_grad_needs_no_input(self, x) -> bool:
+        """Whether the input gradient comes out eager's from x's shape alone: the backends
+        pick their kernels and the gradient's layout by the input's memory format, which
+        the stand-in (zeros, expanded) gives as contiguous. Strides compared whole: a
+        channels_last map of 1x1 pixels is contiguous too, yet suggests channels_last."""
+        return x.stride() == _contiguous_strides(x.shape)
 
     def gradients(self, x, shape, weight, g, needs):
         need_x, need_w, need_b = needs
