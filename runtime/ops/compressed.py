@@ -22,7 +22,7 @@ from torch import nn
 from actdesign.errors import ActdesignError
 
 from .known_modules import is_hf_conv1d
-from .sharing import Whole, keep, restore
+from .sharing import Whole, keep, restore, restores_anew
 
 
 def compressed_call(layer, x, weight, bias):
@@ -82,7 +82,7 @@ class _CompressedInput(torch.autograd.Function):
         with autocast_off(g.device.type):  # as in the forward
             cast = weight.to(ctx.weight_dtype)
             x = restore(saved, ctx.how, layer, ctx.shape, ctx.dtype) if needs[1] else None
-            if needs[0] and x is not None and not _shares_storage(x, saved) \
+            if needs[0] and x is not None and restores_anew(ctx.how, layer) \
                     and layer.input_grad_needs_no_input(x):
                 # x made anew (from codes, or rebuilt): the weight's gradient first and x
                 # freed before the input's, so x and the input gradient are never alive
@@ -101,14 +101,6 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
-
-
-def _shares_storage(x, saved) -> bool:
-    """Whether x is (a view of) a saved tensor: the storage object, which views share, for
-    fake tensors too (their data pointers are 0)."""
-    key = x.untyped_storage()._cdata
-    return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata == key
-               for t in saved)
 
 
 class CompressedLinear(nn.Linear):

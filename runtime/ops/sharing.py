@@ -112,6 +112,13 @@ def rebuild(primary, extras, make, shape, dtype):
     return make(primary, *extras, dtype=dtype).view(shape)
 
 
+def restores_anew(how, keeper) -> bool:
+    """Whether `restore` makes x anew (rebuilt from an offer, or from a compressed copy),
+    rather than handing back a tensor the backward holds anyway."""
+    make, _ = how
+    return make is not None or not isinstance(keeper, Whole)
+
+
 def keep(x, keeper):
     """(the tensors to save for x, how to read them back): `keeper` (a layer's `compress` and
     `restore`) compresses what x's producer offers, or x itself; the rest of the offer is
