@@ -99,3 +99,40 @@ def test_a_batch_norm_with_codes_keeps_eagers_forward_in_bf16(precision):
     for a, b in zip((want[1], *want[2]), (got[1], *got[2]), strict=True):
         assert (a.float() - b.float()).abs().max() <= step * a.float().abs().max()
     assert not torch.equal(want[1], got[1])  # the codes are read, not x
+
+
+def test_a_batch_norm_keeps_codes_of_its_normalized_input():
+    """Small maps put several channels in one 256-element group, and channels differ in mean
+    and scale (offsets up to 150, deviations from 0.1 to 10 here). The codes hold x̂, whose
+    channels all have unit scale: x̂ comes back within one 2-bit step of its group's range
+    (at most a third of x̂'s own range), so each gradient moves by at most what that step
+    gives through eager's formula. Codes of x would take the step of the widest channel."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.BatchNorm2d(16)).train()
+    with torch.no_grad():
+        eager[0].weight.uniform_(0.8, 1.2)
+        eager[0].bias.uniform_(-0.1, 0.1)
+    ours = copy.deepcopy(eager)
+    assert compress(ours, {"rules": [{"target": "channel_norm", "apply": "actnn",
+                                       "bits": 2}]}).replaced
+    scale = torch.logspace(-1, 1, 16).view(1, -1, 1, 1)
+    offset = torch.linspace(0, 150, 16).view(1, -1, 1, 1)
+    x = torch.randn(4, 16, 4, 4) * scale + offset  # 16 elements a channel: 16 channels a group
+    want, got = _bn_step(eager, x), _bn_step(ours, x)
+    assert torch.equal(want[0], got[0])
+    dims = (0, 2, 3)
+    xhat = (x - x.mean(dims, keepdim=True)) * (x.var(dims, unbiased=False, keepdim=True)
+                                                 + 1e-5).rsqrt()
+    step = (xhat.amax() - xhat.amin()) / 3
+    g = torch.linspace(-1, 1, x.numel()).view(x.shape)
+    gamma = eager[0].weight.detach().view(1, -1, 1, 1)
+    invstd = (x.var(dims, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    # eager's grad_x = invstd·γ·(g - mean g - x̂·mean(g·x̂)), and x̂ off by e, |e| <= step:
+    # x̂·mean(g·x̂) moves by at most step·mean|g|·(2·max|x̂| + step); γ's gradient, sum(g·x̂),
+    # by step·sum|g|. Round-off on top: float32 sums of a few hundred terms.
+    mean_g = g.abs().mean(dims, keepdim=True)
+    bound_x = invstd * gamma.abs() * step * mean_g * (2 * xhat.abs().amax() + step)
+    bound_gamma = step * g.abs().sum(dims)
+    assert ((want[1] - got[1]).abs() <= bound_x * 1.001 + 1e-4).all()
+    assert ((want[2][0] - got[2][0]).abs() <= bound_gamma * 1.001 + 1e-4).all()
+    assert not torch.equal(want[1], got[1])

@@ -1,6 +1,7 @@
 """`actnn`: a Linear or Conv2d layer keeps its input, for the weight gradient only, as b-bit
 per-group stochastic codes (ActNN; `ops.quantized`, `templates/actnn_ops.py.jinja`); so does a
-batch norm, for its whole backward (`ops.quantized_norms`), its forward eager's.
+batch norm, for its whole backward, as codes of its normalized input x̂
+(`ops.quantized_norms`), its forward eager's.
 
 The codes are shared: the readers of an MS norm that all keep codes of one bit width keep
 the norm's codes of x̂ (`msnorm`), and a layer whose input another op keeps anyway keeps

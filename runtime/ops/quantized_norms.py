@@ -1,7 +1,14 @@
 """ActNN's batch norm: the forward is eager's (the same op, the same running statistics), and
-the input is kept for the backward as b-bit per-group stochastic codes (`InputCodes`), with
-the batch statistics the forward computed, exact. The backward is eager's formula on the
-dequantized input: the input gradient and γ's read x only through x̂ = (x - mean)·invstd.
+for the backward it keeps b-bit per-group stochastic codes (`InputCodes`) of the normalized
+input x̂ = (x - mean)·invstd, with the statistics the forward used, exact. The backward is
+eager's formula on x made again from the dequantized x̂: the input gradient and γ's read x
+only through x̂.
+
+Codes of x̂, not of x: a group of 256 elements spans several channels where a feature map is
+small (a 7×7 map holds 49 per channel), and channels differ in mean and scale. Codes of x
+would then take their step from the widest channel in the group, a step that can exceed a
+narrow channel's whole spread; in x̂ every channel has unit scale, so the step is the same
+fraction of every channel's spread.
 
 A module keeps codes where its forward calls `F.batch_norm` on its own input: torch's batch
 norms and their subclasses (timm's with the activation inside, say), the module's class and
@@ -27,8 +34,10 @@ class _QuantizedBatchNorm(torch.autograd.Function):
         out, mean, invstd, reserve, impl = torch.ops.aten._batch_norm_impl_index(
             x, weight, bias, running_mean, running_var, training, momentum, eps,
             torch.backends.cudnn.enabled)
-        kept = codes.compress(x)
-        ctx.save_for_backward(*kept, weight, running_mean, running_var, mean, invstd, reserve)
+        center, scale = _statistics(x, mean, invstd, running_mean, running_var, eps)
+        kept = codes.compress((x - center) * scale)  # x̂, in float32
+        ctx.save_for_backward(*kept, weight, running_mean, running_var, mean, invstd, reserve,
+                              center, scale)
         ctx.codes, ctx.count, ctx.shape, ctx.dtype = codes, len(kept), x.shape, x.dtype
         ctx.training, ctx.eps, ctx.impl = training, eps, impl
         ctx.channels_last = x.dim() == 4 and not x.is_contiguous() \
@@ -38,9 +47,9 @@ class _QuantizedBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         saved = ctx.saved_tensors
-        kept, (weight, running_mean, running_var, mean, invstd, reserve) = \
+        kept, (weight, running_mean, running_var, mean, invstd, reserve, center, scale) = \
             saved[:ctx.count], saved[ctx.count:]
-        x = ctx.codes.restore(kept, ctx.shape, ctx.dtype)
+        x = ctx.codes.restore(kept, ctx.shape, ctx.dtype).div_(scale).add_(center)  # x̂ -> x
         if ctx.channels_last:  # the layout eager's backward had
             x = x.contiguous(memory_format=torch.channels_last)
         needs = ctx.needs_input_grad
@@ -48,6 +57,15 @@ class _QuantizedBatchNorm(torch.autograd.Function):
             ctx.impl, x, grad, weight, running_mean, running_var, mean, invstd, ctx.training,
             ctx.eps, [needs[0], needs[1], needs[2]], reserve)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _statistics(x, mean, invstd, running_mean, running_var, eps):
+    """The mean and inverse deviation the forward normalized x with, shaped to broadcast over
+    its channels: the batch's in training (eval's are not returned), else the running ones."""
+    if mean.numel() == 0:
+        mean, invstd = running_mean, (running_var + eps).rsqrt()
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    return mean.float().view(shape), invstd.float().view(shape)
 
 
 class _QuantizedNorms(TorchFunctionMode):
