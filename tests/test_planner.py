@@ -30,10 +30,12 @@ KERNELS = "cpu"  # shape-only steps allocate what the CPU paths do: a real step 
 
 
 def cnn():
-    """A small CNN of two stages (blocks), so that convolution options take part."""
+    """A small CNN of two stages (blocks), so that convolution options take part; its first
+    ReLU works in place, as timm's and torchvision's do."""
     def stage(cin, cout):
         return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout),
-                             nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU())
+                             nn.ReLU(inplace=True), nn.Conv2d(cout, cout, 3, padding=1),
+                             nn.ReLU())
 
     torch.manual_seed(0)
     model = nn.Sequential(stage(3, 8), stage(8, 16), nn.Flatten(), nn.Linear(16 * 64, 10))
@@ -104,6 +106,23 @@ def test_the_planned_peak_fits_every_budget_on_a_real_step(planned):
         saved, peak = real_step(model, example, result.policy)
         assert (saved, peak) == (result.saved_bytes, result.peak_bytes)
         assert saved <= peak <= budget
+
+
+def test_the_image_a_first_convolution_keeps_is_the_callers():
+    """The step's peak leaves out its own inputs, which the caller holds whatever is kept:
+    the planner prices the image a float32 first convolution keeps as no activation memory,
+    so codes of it are no saving (they are not offered) and the working memory is not
+    negative (it was, by the image less the step's transients)."""
+    model, batches, example = setup("cnn")
+    costs = planner.measure_costs(model, batches, example, "fp32", cards.card("h200"),
+                                  KERNELS, "test", planner.Clock(None))
+    trial = copy.deepcopy(model)
+    compress(trial, planner.policy_of([]))
+    saved, peak = steps.step(trial, example, "fp32")
+    assert saved.given == {"0.0": example.numel() * example.element_size()}
+    assert costs.problem.transient_bytes == peak - (saved.total - saved.given["0.0"]) >= 0
+    first = next(s for s in costs.problem.sites if s.name == "0.0")
+    assert [o.name for o in first.options] == ["keep"]
 
 
 def test_the_smallest_budget_named_is_met_and_one_byte_less_is_refused(planned):

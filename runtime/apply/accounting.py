@@ -21,6 +21,9 @@ class SavedBytes:
     by_module: dict[str, int] = field(default_factory=dict)  # module name ("" the model)
     storages: dict[int, int] = field(default_factory=dict)  # storage_key -> bytes
     constant: int = 0  # bytes of weight copies, in storages but in no module's count
+    # by module, the bytes among by_module's of the run's own inputs (an image a first
+    # convolution keeps), which its caller holds whatever is kept
+    given: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -49,12 +52,14 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def account(model: torch.nn.Module, run) -> tuple[SavedBytes, object]:
-    """(the bytes `run()`'s forward saves for backward, by module; run()'s result)."""
+def account(model: torch.nn.Module, run, given=()) -> tuple[SavedBytes, object]:
+    """(the bytes `run()`'s forward saves for backward, by module; run()'s result).
+    `given`: run's own inputs, whose saved bytes are also told apart (`SavedBytes.given`)."""
     names = {m: n for n, m in model.named_modules()}
     stack = [""]
     skip = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
     saved = SavedBytes()
+    inputs = {storage_key(t) for t in given}
 
     def pack(t):
         storage = t.untyped_storage()
@@ -65,6 +70,8 @@ def account(model: torch.nn.Module, run) -> tuple[SavedBytes, object]:
                 saved.constant += storage.nbytes()
             else:
                 saved.by_module[stack[-1]] = saved.by_module.get(stack[-1], 0) + storage.nbytes()
+                if ptr in inputs:
+                    saved.given[stack[-1]] = saved.given.get(stack[-1], 0) + storage.nbytes()
         return t
 
     @observer

@@ -114,7 +114,7 @@ def step(model, inputs, precision, window_peaks=None, peaks=None) -> tuple:
 
     try:
         with live:
-            saved, out = account(model, loss)
+            saved, out = account(model, loss, given)
             # what the forward kept, by allocation: every saved storage is alive now, so its
             # key names it (a key freed later may name another storage)
             kept = {live.live[k][0]: n for k, n in saved.storages.items() if k in live.live}

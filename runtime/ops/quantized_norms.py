@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .chains import batch_norm_call
+from .fake import on_host
 from .quantized import InputCodes
 
 
@@ -35,7 +36,7 @@ class _QuantizedBatchNorm(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, training, momentum, eps,
             torch.backends.cudnn.enabled)
         center, scale = _statistics(x, mean, invstd, running_mean, running_var, eps)
-        kept = codes.compress((x - center) * scale)  # x̂, in float32
+        kept = _normalized_codes(codes, x, center, scale)
         ctx.save_for_backward(*kept, weight, running_mean, running_var, mean, invstd, reserve,
                               center, scale)
         ctx.codes, ctx.count, ctx.shape, ctx.dtype = codes, len(kept), x.shape, x.dtype
@@ -60,12 +61,28 @@ class _QuantizedBatchNorm(torch.autograd.Function):
 
 
 def _statistics(x, mean, invstd, running_mean, running_var, eps):
-    """The mean and inverse deviation the forward normalized x with, shaped to broadcast over
-    its channels: the batch's in training (eval's are not returned), else the running ones."""
+    """The mean and inverse deviation the forward normalized x with, in x's dtype (x̂ is made
+    in it, no wider copy of x) and shaped to broadcast over its channels: the batch's in
+    training (eval's are not returned), else the running ones."""
     if mean.numel() == 0:
         mean, invstd = running_mean, (running_var + eps).rsqrt()
     shape = (1, -1) + (1,) * (x.dim() - 2)
-    return mean.float().view(shape), invstd.float().view(shape)
+    return mean.to(x.dtype).view(shape), invstd.to(x.dtype).view(shape)
+
+
+def _normalized_codes(codes, x, center, scale, slices=8):
+    """Codes of x̂ = (x - center)·scale, made a slice of the batch at a time (a sample's codes
+    are its own): x̂ is then a transient of an eighth of x, where a whole copy would raise the
+    forward's peak by x."""
+    step = -(-x.shape[0] // slices)
+    parts = [codes.compress(torch.sub(x[i:i + step], center).mul_(scale))
+             for i in range(0, x.shape[0], step)]
+    if len(parts) == 1:
+        return parts[0]
+    packed, lo, width, bits = zip(*parts, strict=True)
+    with on_host():  # the bits are the host's, on fake tensors too
+        bits = torch.cat(bits)
+    return torch.cat(packed), torch.cat(lo), torch.cat(width), bits
 
 
 class _QuantizedNorms(TorchFunctionMode):

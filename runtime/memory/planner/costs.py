@@ -74,7 +74,7 @@ def measure_costs(model, batches, example, precision, card, kernels, calibration
 
     block_index = {b: i for i, b in enumerate(blocks)}
     problem_sites, inner = [], {b: lossless.block_bytes(b) for b in blocks}
-    outside = lossless.saved.total - sum(inner.values())
+    outside = lossless.activations - sum(inner.values())
     for s in sites:
         labels = offered[class_of(s)]
         keep = max(0, *(-delta[s, label] for label in labels)) if labels else 0
@@ -100,7 +100,7 @@ def measure_costs(model, batches, example, precision, card, kernels, calibration
                       for b in blocks]
     base_time = card.step_time(lossless.flops, lossless.saved.total)
     problem = solver.Problem(tuple(problem_sites), tuple(problem_blocks), outside,
-                             lossless.peak - lossless.saved.total, base_time)
+                             lossless.peak - lossless.activations, base_time)
     return Costs(sites, blocks, problem, baseline.saved.total, baseline.peak,
                  lossless.saved.total, passes, calibration, card, reference)
 
@@ -111,7 +111,7 @@ def _within(step, block, members) -> int:
     if block is not None:
         return step.block_bytes(block)
     assert len(members) == 1
-    return step.saved.total
+    return step.activations
 
 
 @dataclass
@@ -122,14 +122,21 @@ class ShapeStep:
     flops_by_module: dict = field(default_factory=dict)
     window_peaks: dict = field(default_factory=dict)  # block -> most bytes alive in its backward
 
+    @property
+    def activations(self) -> int:
+        """The saved bytes the peak counts: the step's own inputs (an image a first
+        convolution keeps) are the caller's, alive whatever is kept."""
+        return self.saved.total - sum(self.saved.given.values())
+
     def block_bytes(self, block: str) -> int:
-        return sum(n for name, n in self.saved.by_module.items()
+        """The saved bytes of a block's modules, the step's own inputs aside."""
+        return sum(n - self.saved.given.get(name, 0) for name, n in self.saved.by_module.items()
                    if name == block or name.startswith(block + "."))
 
     def held_bytes(self, block: str) -> int | None:
         """The most bytes alive beyond the saved ones while the block's backward ran."""
         peak = self.window_peaks.get(block)
-        return None if peak is None else max(0, peak - self.saved.total)
+        return None if peak is None else max(0, peak - self.activations)
 
     def flops_of(self, name: str) -> int:
         return self.flops_by_module.get(name, 0)

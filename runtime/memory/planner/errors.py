@@ -142,7 +142,8 @@ class _local_errors:
             def in_grad(g):
                 with torch.enable_grad():
                     xr = x.detach().requires_grad_()
-                    (exact,) = torch.autograd.grad(original(xr), xr, kept.pop("g"))
+                    # on a copy: an in-place activation (timm's ReLU) must not change x
+                    (exact,) = torch.autograd.grad(original(xr.clone()), xr, kept.pop("g"))
                 self.found[site] += float((g.double() - exact.double()).square().sum())
 
             output.register_hook(out_grad)
