@@ -71,6 +71,25 @@ def test_image_models_to_the_byte(source, policy, precision):
     assert_close(row.peak_bytes, peak)
 
 
+@pytest.mark.parametrize("policy", ["none", "cnn", "actnn2", "cnn+actnn2"])
+def test_bf16_weights_and_images_to_the_byte(policy):
+    """Weights and images in bf16 (`--precision bf16`): the probe compress runs on is bf16 too,
+    as the step's own images are."""
+    row = estimate("timm:resnet18", 3, 1, "bf16", [policy], kernels="cpu",
+                   image_size=32).rows[0]
+    torch.manual_seed(0)
+    model, make_batch = _real("timm:resnet18", 32)
+    model.train().to(torch.bfloat16)
+    if policy != "none":
+        compress(model, policy, make_batch(2, 8).bfloat16(), allow_more=True)
+    inputs = make_batch(3, 8).bfloat16()
+    step(model, inputs, "bf16")
+    model.zero_grad(set_to_none=True)
+    saved, peak = step(model, inputs, "bf16")
+    assert_close(row.saved_bytes, saved.total)
+    assert_close(row.peak_bytes, peak)
+
+
 def test_the_image_size_is_the_configs_else_224_and_text_refuses_one():
     assert estimate(dict(CONFIGS["resnet"]), 1, 1, "fp32").shape == "batch 1, 224x224 images"
     assert estimate("vit-tiny", 1, 1, "fp32").shape == "batch 1, 32x32 images"

@@ -240,6 +240,8 @@ class _Pricing:
         if policy.rules:
             say(f"compressing with {policy.label}")
             probe = None if setup.make_batch is None else setup.make_batch(2, setup.seq)
+            if probe is not None and setup.precision == "bf16":  # as the step's own inputs
+                probe = _to(probe, "cpu", torch.bfloat16)
             compress(model, policy, probe, allow_more=True)  # priced, whatever it keeps
         if setup.checkpointing:
             setups.with_checkpointing(setup.name, model)
