@@ -136,3 +136,22 @@ def test_a_batch_norm_keeps_codes_of_its_normalized_input():
     assert ((want[1] - got[1]).abs() <= bound_x * 1.001 + 1e-4).all()
     assert ((want[2][0] - got[2][0]).abs() <= bound_gamma * 1.001 + 1e-4).all()
     assert not torch.equal(want[1], got[1])
+
+
+def test_a_table_is_left_out_where_its_reader_keeps_what_the_activation_keeps():
+    """A ReLU keeps its output, which the convolution reading it keeps too: a 1-bit code of it
+    would add bytes, so `fewbit` leaves that ReLU alone and says why. The last ReLU's output
+    is read by the average pool, which keeps nothing: its code frees the output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).train()
+    x = torch.randn(2, 3, 12, 12)
+    ours = copy.deepcopy(model)
+    report = compress(ours, "fewbit3", x)
+    assert [r.name for r in report.replaced] == ["3"]
+    assert [(name, "keeps whole anyway" in why) for name, _, why in report.skipped] == [("1", True)]
+    saved = [account(m, lambda m=m: m(x))[0].total for m in (model, ours)]
+    assert saved[1] < saved[0]
+    # with the convolutions coded, nothing else keeps the first ReLU's output: it is coded too
+    report = compress(copy.deepcopy(model), "actnn2", x)
+    assert {"1", "3"} <= {r.name for r in report.replaced}

@@ -181,20 +181,21 @@ def test_what_a_chain_cannot_rebuild_is_left_alone_with_its_reason(module, why):
 
 
 def test_a_policy_that_keeps_more_is_refused_and_changes_nothing():
-    """fewbit3 alone on a ResNet: a ReLU keeps a 1-bit code of its input while the next
-    convolution keeps its output whole, and the max pool its input, so the step keeps more.
-    Refused, naming where, unless asked for."""
+    """Back Razor keeping every value (ratio 0) keeps each value and its place: more than the
+    tensor. The convolutions whose input nothing else keeps copy it, and the step keeps more:
+    refused, naming where, unless asked for."""
     model = _trained_like(torchvision.models.resnet18(num_classes=10)).train()
     x = torch.randn(2, 3, 64, 64)
     before = copy.deepcopy(model)
-    with pytest.raises(ActdesignError, match=r"keeps more .* more\), where maxpool "
-                                             r"\(\+512\.0 KiB\).*allow_more=True"):
-        compress(model, "fewbit3", example_inputs=x)
+    policy = {"rules": [{"target": "conv2d", "apply": "backrazor", "ratio": 0.0}]}
+    with pytest.raises(ActdesignError, match=r"keeps more .* more\), where layer1\.0\.conv1 "
+                                             r"\(\+4\.0 KiB\), conv1 .*allow_more=True"):
+        compress(model, policy, example_inputs=x)
     assert [type(m) for m in model.modules()] == [type(m) for m in before.modules()]
     assert all("forward" not in m.__dict__ for m in model.modules())
-    report = compress(copy.deepcopy(model), "fewbit3", example_inputs=x, dry_run=True)
+    report = compress(copy.deepcopy(model), policy, example_inputs=x, dry_run=True)
     assert report.keeps_more() and "% more" in str(report)
-    report = compress(model, "fewbit3", example_inputs=x, allow_more=True)
+    report = compress(model, policy, example_inputs=x, allow_more=True)
     assert report.keeps_more() and report.replaced
 
 

@@ -166,7 +166,8 @@ class Draft:
       `made`: {name: method}, those an earlier compress applied a method to; `planned`: what
       a method planned for a module at matching (a fused loss's edits), by name;
     - `codes`: {Linear layer: (bits, group size)}, the layers keeping ActNN codes of their
-      input; `kept`: those whose input another op keeps anyway, found by the probe;
+      input; `kept`: those whose input (an activation: what it keeps) another op keeps
+      anyway, found by the probe;
     - `exact`, `sharing`: the layers reading an MS norm's x̂, or its codes of x̂;
       `norm_readers`: every layer reading an MS norm;
     - `rebuilt`: {layer: what rebuilds its input, in words} (MS-GLU's down projection);
@@ -229,11 +230,15 @@ def plan(model: nn.Module, policy="fewbit3", example_inputs=None) -> Plan:
         draft.codes |= METHODS[rule.apply].codes(name, m, rule, draft)
     copying = {m for m, rule in draft.chosen.values()
                if isinstance(m, nn.Conv2d) and METHODS[rule.apply].copies_conv_input}
-    if draft.run is not None and (draft.codes or copying):
+    tables = {m for m, rule in draft.chosen.values() if METHODS[rule.apply].codes_what_it_keeps}
+    if draft.run is not None and (draft.codes or copying or tables):
         saves = record_saves(model, set(draft.codes) | copying, draft.run)
-        # coded inputs kept by anything uncoded; copied conv inputs by a module no rule replaces
+        planned = {m for m, _ in draft.chosen.values()}
+        # coded inputs kept by anything uncoded; copied conv inputs, and what a coded
+        # activation keeps, by a module no rule replaces
         draft.kept = saves.inputs_kept_elsewhere(set(draft.codes)) | \
-            saves.inputs_kept_elsewhere(copying, planned={m for m, _ in draft.chosen.values()})
+            saves.inputs_kept_elsewhere(copying, planned=planned) | \
+            saves.own_kept_elsewhere(tables, planned=planned)
     for method in METHODS.values():
         chosen = {n: c for n, c in draft.chosen.items() if c[1].apply == method.name}
         if chosen:

@@ -174,13 +174,28 @@ class Saves:
         norm keeping its output): a compressed copy of that input would add bytes, not
         replace them. What a module in `planned` saves is not counted: a rule replaces it,
         and it will keep something else."""
-        owners = set(candidates) | set(planned)
-
-        def elsewhere(stack):  # no candidate or planned module around the save
-            return not any(m in owners for m in stack)
-
+        elsewhere = self._elsewhere(candidates, planned)
         return {m for m, key in self.inputs.items()
                 if m in candidates and any(map(elsewhere, self.stacks.get(key, ())))}
+
+    def own_kept_elsewhere(self, candidates: set, planned=()) -> set:
+        """The modules among `candidates` that keep something of their own (autograd saves it
+        while they run innermost) and all of whose keeps another module keeps too (a ReLU's
+        output, which the convolution reading it keeps): codes in their place would add
+        bytes. `planned`: as `inputs_kept_elsewhere`'s."""
+        elsewhere, own = self._elsewhere(candidates, planned), {}
+        for key, stacks in self.stacks.items():
+            for stack in stacks:
+                if stack and stack[-1] in candidates:
+                    own.setdefault(stack[-1], set()).add(key)
+        return {m for m, keys in own.items()
+                if all(any(map(elsewhere, self.stacks[k])) for k in keys)}
+
+    @staticmethod
+    def _elsewhere(candidates, planned):
+        """Whether a save's module stack holds no candidate or planned module."""
+        owners = set(candidates) | set(planned)
+        return lambda stack: not any(m in owners for m in stack)
 
 
 def record_saves(model: torch.nn.Module, watched: set, run) -> Saves:

@@ -89,6 +89,10 @@ class Method:
     # it keeps a compressed copy of a convolution's input: where another op keeps that input
     # whole anyway, the copy would add bytes, and the convolution stays exact and lean instead
     copies_conv_input = False
+    # it keeps codes in place of what an activation keeps for its backward: where another op
+    # keeps that tensor whole anyway (a convolution reading a ReLU's output), the codes would
+    # add bytes, and the activation is left as it is
+    codes_what_it_keeps = False
     offers: dict[str, tuple[dict, ...]] = {}  # the planner's options: site kind -> values
 
     # --- matching ----------------------------------------------------------------------
@@ -128,6 +132,10 @@ class Method:
         """Plan one module: a swap (`draft.swap`) or edits (`draft.edits`), each said in
         the report (`draft.said`). An ActdesignError leaves the module alone, its message
         the reason the report gives."""
+        if self.codes_what_it_keeps and module in draft.kept:
+            raise ActdesignError("what it keeps for its backward another op keeps whole anyway "
+                                 "(the layer reading it): codes of it would add bytes, not "
+                                 "free them")
         if self.copies_conv_input and isinstance(module, nn.Conv2d) and module in draft.kept:
             draft.swap(name, module, LeanConv2d.from_module(module),
                        "LeanConv2d (its input is kept whole by another op anyway: a copy "

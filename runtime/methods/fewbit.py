@@ -81,6 +81,7 @@ class FewBit(Method):
     targets = ("activation",)
     options = {"bits": Option(3, integer(1, 8)), "spec": Option(None, spec_option)}
     offers = {"activation": tuple({"bits": b} for b in (1, 2, 3, 4))}
+    codes_what_it_keeps = True
 
     def takes(self, module) -> bool:
         return activation_name(module) is not None
