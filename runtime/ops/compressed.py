@@ -83,7 +83,7 @@ class _CompressedInput(torch.autograd.Function):
             cast = weight.to(ctx.weight_dtype)
             x = restore(saved, ctx.how, layer, ctx.shape, ctx.dtype) if needs[1] else None
             if needs[0] and x is not None and restores_anew(ctx.how, layer) \
-                    and layer.input_grad_needs_no_input(x):
+                    and layer.input_grad_reads_no_input:
                 # x made anew (from codes, or rebuilt): the weight's gradient first and x
                 # freed before the input's, so x and the input gradient are never alive
                 # together (each is eager's computation, bit for bit)
@@ -95,19 +95,12 @@ class _CompressedInput(torch.autograd.Function):
         return grad_x, None if grad_w is None else grad_w.to(weight.dtype), grad_b, None, None
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class CompressedLinear(nn.Linear):
     """The Linear half: math, and a constructor from an nn.Linear (or a transformers Conv1D,
     which stores its weight as (in, out): `transposed`) sharing its parameters."""
 
     transposed = False
+    input_grad_reads_no_input = True  # g @ W
 
     def forward(self, x):
         return compressed_call(self, x, self.weight, self.bias)
@@ -138,8 +131,6 @@ class CompressedLinear(nn.Linear):
         grad_b = g.reshape(-1, g.shape[-1]).sum(0) if needs[2] else None
         return grad_x, grad_w, grad_b
 
-    def input_grad_needs_no_input(self, x) -> bool:
-        return True  # g @ W
 
     def input_grad(self, shape, weight, g):
         return g @ (weight.T if self.transposed else weight)
@@ -157,6 +148,11 @@ class CompressedConv2d(nn.Conv2d):
     replicate or circular), stride, dilation and groups. The gradients come from one
     convolution_backward over the padded input, as eager's autograd takes them, and then the
     padding's own backward: bit for bit eager's, channels_last too."""
+
+    # Its input gradient needs an input of x's shape and layout: the backends make one (a
+    # stand-in expanded from a zero is made contiguous inside the kernel, an input-sized
+    # buffer no op returns), so a restored x is kept for both gradients at once.
+    input_grad_reads_no_input = False
 
     def forward(self, x):
         if x.dim() != 4:
@@ -194,17 +190,11 @@ class CompressedConv2d(nn.Conv2d):
             pad[2 * (1 - i) + 1] = total - 2 * (total // 2)  # the extra row or column, after
         return (F.pad(x, pad) if any(pad) else x), tuple(left)
 
-    def input_grad_needs_no_input(self, x) -> bool:
-        """Whether the input gradient comes out eager's from x's shape alone: the backends
-        pick their kernels and the gradient's layout by the input's memory format, which
-        the stand-in (zeros, expanded) gives as contiguous. Strides compared whole: a
-        channels_last map of 1x1 pixels is contiguous too, yet suggests channels_last."""
-        return x.stride() == _contiguous_strides(x.shape)
-
     def gradients(self, x, shape, weight, g, needs):
         need_x, need_w, need_b = needs
-        source = x if x is not None else torch.zeros((), dtype=g.dtype,
-                                                     device=g.device).expand(shape)
+        # without x (a frozen weight), a stand-in of zeros: the backends read only its shape
+        # and layout, and would make an expanded one contiguous inside, unseen
+        source = x if x is not None else torch.zeros(shape, dtype=g.dtype, device=g.device)
         with torch.enable_grad():  # the padding's backward is autograd's own
             leaf = source.detach().requires_grad_(need_x)
             padded, padding = self.padded(leaf)
