@@ -131,7 +131,6 @@ class CompressedLinear(nn.Linear):
         grad_b = g.reshape(-1, g.shape[-1]).sum(0) if needs[2] else None
         return grad_x, grad_w, grad_b
 
-
     def input_grad(self, shape, weight, g):
         return g @ (weight.T if self.transposed else weight)
 
