@@ -3,6 +3,8 @@ tensors are freed. A batch norm keeps 2-bit codes of its input (forward and runn
 statistics eager's), a ReLU a 1-bit mask (exact), a max pool a byte per output."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,13 +14,8 @@ from torch import nn
 from actdesign.runtime import compress
 from actdesign.runtime.apply.accounting import account
 
-
-def _trained_like(norm):
-    """γ near but not 1, β near but not 0, as after training."""
-    with torch.no_grad():
-        norm.weight.uniform_(0.8, 1.2)
-        norm.bias.uniform_(-0.1, 0.1)
-    return norm
+sys.path.insert(0, str(Path(__file__).parent))
+from convnets import trained_like  # noqa: E402
 
 
 def _bn_step(model, x):
@@ -33,7 +30,7 @@ def _bn_step(model, x):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_a_batch_norm_with_codes_runs_eagers_forward_and_a_gradient_within_its_step(layout):
     torch.manual_seed(0)
-    eager = nn.Sequential(_trained_like(nn.BatchNorm2d(8))).train()
+    eager = nn.Sequential(trained_like(nn.BatchNorm2d(8))).train()
     ours = copy.deepcopy(eager)
     rules = {"rules": [{"target": "channel_norm", "apply": "actnn", "bits": 8}]}
     assert compress(ours, rules).replaced
@@ -86,7 +83,7 @@ def test_a_batch_norm_with_codes_keeps_eagers_forward_in_bf16(precision):
     # no conv bias, as before every batch norm: its exact gradient is 0, a batch norm's
     # input gradient summing to 0 per channel, so both runs' values are rounding noise
     eager = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False),
-                          _trained_like(nn.BatchNorm2d(8))).train()
+                          trained_like(nn.BatchNorm2d(8))).train()
     if precision == "bf16 weights":
         eager = eager.to(torch.bfloat16)
     ours = copy.deepcopy(eager)
@@ -111,7 +108,7 @@ def test_a_batch_norm_keeps_codes_of_its_normalized_input():
     (at most a third of x̂'s own range), so each gradient moves by at most what that step
     gives through eager's formula. Codes of x would take the step of the widest channel."""
     torch.manual_seed(0)
-    eager = nn.Sequential(_trained_like(nn.BatchNorm2d(16))).train()
+    eager = nn.Sequential(trained_like(nn.BatchNorm2d(16))).train()
     ours = copy.deepcopy(eager)
     assert compress(ours, {"rules": [{"target": "channel_norm", "apply": "actnn",
                                        "bits": 2}]}).replaced

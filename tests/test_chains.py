@@ -6,6 +6,8 @@ bf16 weights and channels_last."""
 import contextlib
 import copy
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import timm
@@ -19,19 +21,8 @@ from actdesign.errors import ActdesignError
 from actdesign.runtime import compress
 from actdesign.runtime.apply.accounting import account
 
-
-def _trained_like(model: nn.Module) -> nn.Module:
-    """Norm scales near but not 1, shifts near 0, running statistics off their defaults."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            for name, low, high in (("weight", 0.8, 1.2), ("bias", -0.1, 0.1),
-                                    ("running_var", 0.5, 1.5), ("running_mean", -0.2, 0.2)):
-                t = getattr(m, name, None)
-                if isinstance(t, torch.Tensor) and t.dim() == 1 and t.is_floating_point() \
-                        and not isinstance(m, nn.Linear):
-                    t.copy_(torch.empty(t.shape).uniform_(low, high, generator=gen))
-    return model
+sys.path.insert(0, str(Path(__file__).parent))
+from convnets import trained_like  # noqa: E402
 
 
 def _tv(name, **kwargs):
@@ -98,7 +89,7 @@ def _equal(a, b):
 
 def _compressed(name, *, dtype=None, channels_last=False, train=True, size=32):
     torch.manual_seed(0)
-    eager = _trained_like(MODELS[name]()).train(train)
+    eager = trained_like(MODELS[name]()).train(train)
     x = torch.randn(2, 3, size, size)
     if dtype is not None:
         eager, x = eager.to(dtype), x.to(dtype)
@@ -141,7 +132,7 @@ def test_the_lossless_preset_keeps_what_its_goal_allows(name, most):
 
 
 def test_compress_leaves_the_running_statistics_as_they_were():
-    model = _trained_like(torchvision.models.resnet18(num_classes=10)).train()
+    model = trained_like(torchvision.models.resnet18(num_classes=10)).train()
     before = {n: b.clone() for n, b in model.named_buffers()}
     compress(model, "cnn", example_inputs=torch.randn(2, 3, 32, 32))
     assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
@@ -184,7 +175,7 @@ def test_a_policy_that_keeps_more_is_refused_and_changes_nothing():
     """Back Razor keeping every value (ratio 0) keeps each value and its place: more than the
     tensor. The convolutions whose input nothing else keeps copy it, and the step keeps more:
     refused, naming where, unless asked for."""
-    model = _trained_like(torchvision.models.resnet18(num_classes=10)).train()
+    model = trained_like(torchvision.models.resnet18(num_classes=10)).train()
     x = torch.randn(2, 3, 64, 64)
     before = copy.deepcopy(model)
     policy = {"rules": [{"target": "conv2d", "apply": "backrazor", "ratio": 0.0}]}
@@ -203,7 +194,7 @@ def test_a_policy_that_keeps_more_is_refused_and_changes_nothing():
 def test_a_conv_whose_input_another_op_keeps_whole_keeps_no_copy(policy):
     """On a ResNet each ReLU keeps its output, the next convolution's input: a pooled or
     sparse copy of it would add bytes. Those convolutions stay exact (lean); the others copy."""
-    model = _trained_like(torchvision.models.resnet18(num_classes=10)).train()
+    model = trained_like(torchvision.models.resnet18(num_classes=10)).train()
     x = torch.randn(2, 3, 64, 64)
     report = compress(model, policy, example_inputs=x)
     words = {c.name: c.new for c in report.replaced}
