@@ -65,6 +65,9 @@ def render(source) -> str:
         "triton_f": triton_f,
         "torch_f": torch_f,
         "torch_native": bool(act.torch_code),
+        # ReLU's exact 1-bit table: its code is the mask, so y is made again from x and the code
+        "masks": act.name == "relu" and spec.bits == 1 and list(spec.borders) == [0.0]
+        and list(spec.levels) == [0.0, 1.0],
     }
     return _parsed(_environment().get_template("fewbit_ops.py.jinja").render(context))
 

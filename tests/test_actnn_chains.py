@@ -152,3 +152,109 @@ def test_a_table_is_left_out_where_its_reader_keeps_what_the_activation_keeps():
     # with the convolutions coded, nothing else keeps the first ReLU's output: it is coded too
     report = compress(copy.deepcopy(model), "actnn2", x)
     assert {"1", "3"} <= {r.name for r in report.replaced}
+
+
+def _kept_by_convs(model, x):
+    saved = account(model, lambda: model(x))[0]
+    return {name: n for name, n in saved.by_module.items()
+            if isinstance(model.get_submodule(name), nn.Conv2d) and n}
+
+
+def test_the_readers_of_one_tensor_keep_one_set_of_codes():
+    """A block's input is read by its first conv and its shortcut conv: one set of codes,
+    kept by both (the shortcut keeps no bytes of its own)."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).train()
+    x = torch.randn(2, 3, 64, 64)
+    compress(model, "actnn2", x)
+    kept = _kept_by_convs(model, x)
+    assert "layer2.0.conv1" in kept and "layer2.0.downsample.0" not in kept
+    assert "layer2.0.conv2" in kept  # actnn2 alone: each conv keeps its input's own codes
+
+
+def test_a_chain_of_codes_keeps_each_tensor_once():
+    """cnn+actnn2: a batch norm's readers make its output again from its codes of x̂ (and a
+    ReLU's from its mask), a block's output from its norms' codes and its shortcut's: only
+    the first block's input is kept as a convolution's own codes (the image's are the
+    caller's). The rest is the norms' codes, the ReLUs' masks and the max pool's offsets."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).train()
+    x = torch.randn(2, 3, 64, 64)
+    alone = copy.deepcopy(model)
+    compress(alone, "actnn2", x)
+    report = compress(model, "cnn+actnn2", x)
+    assert "make its output again from them" in next(r.new for r in report.replaced
+                                                      if r.name == "bn1")
+    assert set(_kept_by_convs(model, x)) == {"conv1", "layer1.0.conv1"}
+    saved = [account(m, lambda m=m: m(x))[0].total for m in (alone, model)]
+    assert saved[1] < saved[0] * 0.8
+
+
+def test_a_chain_of_codes_gives_an_unbiased_weight_gradient():
+    """The last conv reads a residual block's output, made again in its backward from the
+    second norm's codes of x̂, the ReLU's mask and the codes of the block's input (kept by its
+    first conv): linear in the codes, whose rounding is unbiased, so its weight gradient's
+    mean over draws is eager's: the squared z-scores of the mean average about 1 (a
+    chi-square over the weight's entries), none beyond 5.5. 4-bit codes keep the noise small
+    enough that a bias of 1% in the rebuilt tensor shows."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1),
+                          trained_like(torchvision.models.resnet.BasicBlock(8, 8)),
+                          nn.Conv2d(8, 8, 3)).train()
+    ours = copy.deepcopy(eager)
+    x = torch.randn(4, 3, 8, 8)
+    compress(ours, {"rules": [
+        {"target": "conv2d", "apply": "actnn", "bits": 4},
+        {"target": "channel_norm", "apply": "actnn", "bits": 4},
+        {"target": "activation", "apply": "fewbit", "bits": 1},
+        {"target": "channel_norm", "apply": "chain"}]}, x)
+    assert set(_kept_by_convs(ours, x)) == {"0", "1.conv1"}  # the image's codes, the block's
+    grad = torch.linspace(-1, 1, 4 * 8 * 6 * 6).view(4, 8, 6, 6)
+
+    def last_weight_grad(model, seed):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        model(x).backward(grad)
+        return model[2].weight.grad.clone()
+
+    want = last_weight_grad(eager, 0).double()
+    draws = torch.stack([last_weight_grad(ours, s) for s in range(200)]).double()
+    assert not torch.equal(draws[0], want)  # made from codes
+    z = (draws.mean(0) - want) / (draws.std(0) / len(draws) ** 0.5)
+    assert z.square().mean() <= 1 + 5 * (2 / z.numel()) ** 0.5
+    assert z.abs().max() <= 5.5
+
+
+@pytest.mark.parametrize("conv", [{"apply": "lean"}, {"apply": "actnn", "bits": 4}])
+def test_a_reader_takes_codes_no_coarser_than_its_own(conv):
+    """An exact convolution never keeps a recipe made from codes (its gradient stays eager's),
+    nor does one keeping 4-bit codes take a norm's 2-bit ones: each keeps its own."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 8, 3), trained_like(nn.BatchNorm2d(8)), nn.ReLU(),
+                          nn.Conv2d(8, 4, 3)).train()
+    ours = copy.deepcopy(eager)
+    x = torch.randn(2, 3, 10, 10)
+    compress(ours, {"rules": [{"target": "channel_norm", "apply": "actnn", "bits": 2},
+                              {"target": "channel_norm", "apply": "chain"},
+                              {"target": "activation", "apply": "fewbit", "bits": 1},
+                              {"target": "conv2d", **conv}]}, x)
+    assert "3" in _kept_by_convs(ours, x)
+    if conv["apply"] == "lean":
+        assert torch.equal(_bn_step(eager, x)[2][-2], _bn_step(ours, x)[2][-2])
+
+
+def test_a_relus_mask_passes_an_exact_recipe_on_exactly():
+    """A ReLU under its 1-bit table, after a lossless chain's batch norm: the next conv keeps
+    the norm's input and the mask, not the ReLU's output, and every gradient is eager's."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 8, 3), trained_like(nn.BatchNorm2d(8)), nn.ReLU(),
+                          nn.Conv2d(8, 4, 3)).train()
+    ours = copy.deepcopy(eager)
+    x = torch.randn(2, 3, 10, 10)
+    compress(ours, {"rules": [{"target": "channel_norm", "apply": "chain"},
+                              {"target": "activation", "apply": "fewbit", "bits": 1},
+                              {"target": "conv2d", "apply": "lean"}]}, x)
+    assert "3" not in _kept_by_convs(ours, x)
+    want, got = _bn_step(eager, x), _bn_step(ours, x)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))

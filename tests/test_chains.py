@@ -220,3 +220,20 @@ def test_a_step_makes_no_reference_cycle_holding_a_tensor():
         gc.garbage.clear()
         gc.enable()
     assert held == []
+
+
+def test_a_recipe_writes_in_place_only_into_what_it_made():
+    """Rebuilding y + x, y = 2x made again from x: the add writes into the y it made (one
+    tensor fewer alive), never into the leaf x, and gives the out-of-place add's bits."""
+    from actdesign.runtime.ops.chains import build, leaf_recipe, offer_recipe, recipe_of
+
+    x = torch.randn(3, 5)
+    y = x * 2
+    offer_recipe(y, leaf_recipe(torch.mul, (x, 2)))
+    before = x.clone()
+    for args in ((y, x), (x, y)):  # the first argument made, then a leaf
+        z = torch.add(*args)
+        offer_recipe(z, build(torch.add, args))
+        recipe, leaves = recipe_of(z)
+        assert torch.equal(recipe(None, *leaves), z)
+        assert torch.equal(x, before)

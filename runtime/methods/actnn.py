@@ -3,10 +3,13 @@ per-group stochastic codes (ActNN; `ops.quantized`, `templates/actnn_ops.py.jinj
 batch norm, for its whole backward, as codes of its normalized input x̂
 (`ops.quantized_norms`), its forward eager's.
 
-The codes are shared: the readers of an MS norm that all keep codes of one bit width keep
-the norm's codes of x̂ (`msnorm`), and a layer whose input another op keeps anyway keeps
-nothing of its own (it stays exact, and lean). A bits file (`allocation`, written by
-`actdesign allocate` or `calibrate`) gives the layers it names their own bits.
+The codes are shared: the readers of one tensor keep one set (a block's first conv and its
+shortcut conv), the readers of an MS norm that all keep codes of one bit width keep the
+norm's codes of x̂ (`msnorm`), and a layer whose input another op keeps anyway keeps nothing
+of its own (it stays exact, and lean). Where a chain rule names a batch norm too
+(`cnn+actnn2`), its readers make its output again from its codes (`ops.chains`). A bits
+file (`allocation`, written by `actdesign allocate` or `calibrate`) gives the layers it names
+their own bits.
 """
 
 from __future__ import annotations
@@ -91,10 +94,15 @@ class ActNN(Method):
         if "forward" in module.__dict__:
             raise ActdesignError("its forward is already replaced on the instance")
         bits, group_size = bits_of(name, rule)
+        # a chain rule for it too (cnn+actnn2): its codes take its input's place in the chain
+        chained = any(r.apply == "chain" and r.matches(name, module, "channel_norm")
+                      for r in draft.policy.rules)
         draft.edits.append(Edit(module, "forward", BoundMethod(
-            module, quantized_norm_forward, type(module), bits, group_size)))
+            module, quantized_norm_forward, type(module), bits, group_size, chained)))
+        rebuilt = "; its readers keeping codes make its output again from them" if chained \
+            else ""
         draft.said(name, type(module).__name__, f"keeps {bits}-bit codes of its input; its "
-                                                 "forward and statistics eager's")
+                                                 f"forward and statistics eager's{rebuilt}")
 
     def replacement(self, name, module, rule, draft):
         cls = QConv2d if isinstance(module, nn.Conv2d) else QLinear

@@ -7,7 +7,8 @@ forward is eager's own, every backward eager's own formula on tensors rebuilt bi
   backward;
 - an nn.MaxPool2d keeps a byte per output, its maximum's place in its window;
 - the model's forward tracks the residual adds, squeeze-excite products and the like written
-  in its blocks, so a block's output is a recipe too.
+  in its blocks, so a block's output is a recipe too (from an ActNN batch norm's codes where
+  `actnn` claims the norm first: `cnn+actnn2`).
 
 The convolutions and Linear layers reading these tensors keep their recipes where a rule makes
 them lean (the `cnn` preset does) or quantizes them. The module stays, under its own name and
@@ -31,6 +32,7 @@ from ..ops.chains import (
     tracked_forward,
     window_cells,
 )
+from ..ops.quantized_norms import offers_from_codes
 from .base import Method, register
 from .edits import BoundMethod, Edit
 
@@ -72,8 +74,8 @@ class Chain(Method):
         """The model's forward tracks the ops its blocks write (residual adds and the like),
         where a chain was planned."""
         model = draft.model
-        chained = any(isinstance(e.value, BoundMethod) and e.value._make in _CHAIN_FORWARDS
-                      for e in draft.edits)
+        chained = any(isinstance(e.value, BoundMethod) and (
+            e.value._make in _CHAIN_FORWARDS or offers_from_codes(e.value)) for e in draft.edits)
         if not chained or is_tracked_forward(model.__dict__.get("forward")):
             return
         if "forward" in model.__dict__ or any(

@@ -25,10 +25,16 @@ own ops: the same bits. Here:
   around the model's forward pass), so a block's output is rebuilt from what its norms keep,
   and a layer's autocast copy of its input from the input's recipe.
 
-A rebuilt tensor has the original's bits and strides. Rebuilding runs elementwise ops (and a
-BatchNorm's statistics once more); a residual block's output is rebuilt through the blocks
-before it in its stage, a few passes each. Under torch.compile and inside a checkpoint
-nothing is offered: the compiler or the checkpoint decides what to keep.
+Under ActNN (`cnn+actnn2`) a batch norm keeps codes of x̂ in place of its input, and offers
+its output as a recipe from them, an approximation (`Recipe.bits`): a ReLU's 1-bit mask, a
+residual add and a convolution's codes of a tensor nothing else offers (`QConv2d`) carry it on,
+and only readers that keep codes of as many bits or more take it (`sharing.kept_for`).
+
+A rebuilt tensor has the original's bits and strides (an approximation only where a leaf is
+codes). Rebuilding runs elementwise ops (and a BatchNorm's statistics once more); a residual
+block's output is rebuilt through the blocks before it in its stage, a few passes each.
+Under torch.compile and inside a checkpoint nothing is offered: the compiler or the checkpoint
+decides what to keep.
 """
 
 from __future__ import annotations
@@ -47,11 +53,15 @@ class Recipe:
     """How a tensor is made again: `fn(*args, **kwargs)` under the autocast state it was made
     in, each argument a leaf (an index into the leaves), another Recipe node or a constant.
     Holds no tensors: the leaves travel beside it (`sharing.offer`'s extras). Called as an
-    offer's `make`, it rebuilds the tensor with the original's strides."""
+    offer's `make`, it rebuilds the tensor with the original's strides: the original's bits,
+    or where a leaf is codes (`bits`, the fewest bits of any), an approximation of it that
+    only readers keeping codes take. `loose`: the bytes of the leaves that no producer
+    offered (a tensor a tracked op read), which may be kept for this recipe alone."""
 
-    def __init__(self, fn, args, kwargs, autocast, stride, shape=None):
+    def __init__(self, fn, args, kwargs, autocast, stride, shape=None, bits=None, loose=0):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.autocast, self.stride, self.shape = autocast, stride, shape
+        self.bits, self.loose = bits, loose
         self.versions = None  # the leaves' versions when offered
 
     def __call__(self, _primary, *leaves, dtype=None):
@@ -67,16 +77,22 @@ class Recipe:
     def value(self, leaves):
         """The tensor made again. The deepest arguments are made first: while one is made,
         only those made before it are held (a residual stream rebuilt through its blocks
-        holds one tensor a block, not every block's other input)."""
+        holds one tensor a block, not every block's other input). Where the first argument
+        was made here and nothing else holds it, an op with an in-place form writes into it
+        (the same kernel, so the same bits): a residual add holds two tensors, not three."""
         items = [*enumerate(self.args), *self.kwargs.items()]
         made = {}
         for key, a in sorted(items, key=lambda item: -_depth(item[1])):
             made[key] = leaves[a.index] if isinstance(a, Leaf) else \
                 a.value(leaves) if isinstance(a, Recipe) else a
         args = [made[i] for i in range(len(self.args))]
+        kwargs = {k: made[k] for k in self.kwargs}
+        fn = self.fn
+        if self.args and isinstance(self.args[0], Recipe) and _owned(args[0], leaves):
+            fn = _in_place_form(fn, args) or fn
         device, enabled, dtype = self.autocast
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            return self.fn(*args, **{k: made[k] for k in self.kwargs})
+            return fn(*args, **kwargs)
 
     @functools.cached_property
     def depth(self) -> int:
@@ -85,6 +101,35 @@ class Recipe:
 
 def _depth(a) -> int:
     return a.depth if isinstance(a, Recipe) else 0
+
+
+_IN_PLACE_FORMS = {torch.add: torch.Tensor.add_, torch.sub: torch.Tensor.sub_,
+                   torch.mul: torch.Tensor.mul_, torch.div: torch.Tensor.div_,
+                   torch.relu: torch.relu_}
+
+
+def _root(t):
+    return t if t._base is None else t._base
+
+
+def _owned(t, leaves) -> bool:
+    """Whether t, made by a recipe's node, is held by nothing else: no leaf's storage."""
+    return isinstance(t, torch.Tensor) and all(_root(t) is not _root(leaf) for leaf in leaves)
+
+
+def _in_place_form(fn, args):
+    """fn's form writing into its first argument where its result has that argument's shape
+    and dtype (no broadcast to a larger shape, no promotion); a function may name its own
+    (`fn.in_place`, which the function's maker vouches for)."""
+    own = getattr(fn, "in_place", None)
+    if own is not None:
+        return own
+    form = _IN_PLACE_FORMS.get(fn)
+    first, others = args[0], args[1:]
+    if form is None or torch.broadcast_shapes(
+            first.shape, *(a.shape for a in others if isinstance(a, torch.Tensor))) != first.shape:
+        return None
+    return form if all(torch.result_type(first, a) == first.dtype for a in others) else None
 
 
 class Leaf:
@@ -99,19 +144,20 @@ def recipe_of(t):
     carrying one, element for element (`sharing.kept_for`), carries it reshaped."""
     if not isinstance(t, torch.Tensor):
         return None
-    primary, leaves, make = kept_for(t)
+    primary, leaves, make = kept_for(t, passing_on=True)
     if not isinstance(make, Recipe) or primary is not None:
         return None
     if make.shape != tuple(t.shape):
         make = Recipe(torch.reshape, (make, tuple(t.shape)), {}, make.autocast,
-                      tuple(t.stride()), tuple(t.shape))
+                      tuple(t.stride()), tuple(t.shape), make.bits, make.loose)
     return make, leaves
 
 
-def build(fn, args, kwargs=None, found=None) -> tuple[Recipe, tuple] | None:
+def build(fn, args, kwargs=None, found=None, kept=()) -> tuple[Recipe, tuple] | None:
     """(the Recipe computing fn(*args, **kwargs), its leaves): each tensor argument by its
     own recipe where it carries one (`found`: the recipes read before an in-place op ran),
-    else as a leaf; None where no argument carries a recipe (nothing would be shared)."""
+    else as a leaf (loose, unless the caller keeps it anyway: `kept`); None where no
+    argument carries a recipe (nothing would be shared)."""
     kwargs = kwargs or {}
     found = found if found is not None else {id(a): recipe_of(a) for a in _tensors(args, kwargs)}
     if not any(found.values()):
@@ -130,8 +176,13 @@ def build(fn, args, kwargs=None, found=None) -> tuple[Recipe, tuple] | None:
         got = found.get(id(a))
         return _moved(got[0], got[1], leaf) if got else leaf(a)
 
+    made = [got[0] for got in found.values() if got]
+    loose = sum(t.numel() * t.element_size() for t in _tensors(args, kwargs)
+                if not found.get(id(t)) and not any(t is k for k in kept))
     return (Recipe(fn, tuple(map(arg, args)), {k: arg(v) for k, v in kwargs.items()},
-                   _autocast_state(), None), tuple(leaves))
+                   _autocast_state(), None, bits=min((r.bits for r in made if r.bits),
+                                                     default=None),
+                   loose=loose + sum(r.loose for r in made)), tuple(leaves))
 
 
 def _moved(node, own, leaf):
@@ -144,7 +195,7 @@ def _moved(node, own, leaf):
         return node
     return Recipe(node.fn, tuple(_moved(a, own, leaf) for a in node.args),
                   {k: _moved(v, own, leaf) for k, v in node.kwargs.items()}, node.autocast,
-                  node.stride, node.shape)
+                  node.stride, node.shape, node.bits, node.loose)
 
 
 def offer_recipe(y, built) -> None:
@@ -157,10 +208,12 @@ def offer_recipe(y, built) -> None:
     offer(y, None, leaves, recipe)
 
 
-def _sharing() -> bool:
-    """Whether the chain shares recipes here: gradients wanted, not compiling (the compiler
-    decides what to keep), not inside a checkpoint (`_checkpointed`)."""
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _checkpointed()
+def shares_recipes(in_function=False) -> bool:
+    """Whether the chain shares recipes here: gradients wanted (always, asked `in_function`,
+    an autograd Function's forward, where they are off), not compiling (the compiler decides
+    what to keep), not inside a checkpoint (`_checkpointed`)."""
+    return (in_function or torch.is_grad_enabled()) and not torch.compiler.is_compiling() \
+        and not _checkpointed()
 
 
 def _checkpointed() -> bool:
@@ -264,7 +317,7 @@ def tracked_forward(cls):
     if forward not in _TRACKED_FORWARDS:
         @functools.wraps(forward)
         def tracking(self, *args, **kwargs):
-            if not _sharing():
+            if not shares_recipes():
                 return forward(self, *args, **kwargs)
             with TrackedOps():
                 return forward(self, *args, **kwargs)
@@ -290,14 +343,14 @@ class _Recomputed(torch.autograd.Function):
     def forward(ctx, x, run, *params):
         with torch.no_grad():
             y = run(x)
-        _, _, make = kept_for(x)
-        kept, ctx.how = keep(x, Whole)
+        kept, ctx.how = keep(x, Whole)  # exact: never an offer made from codes
         ctx.save_for_backward(*kept, *params)
         ctx.run, ctx.count, ctx.shape, ctx.dtype = run, len(kept), x.shape, x.dtype
+        make = ctx.how[0]
         if isinstance(make, Recipe):  # y's recipe: x's, one op further
             offer_recipe(y, build(run, (x,)))
         elif make is None:  # x is kept here: y is made again from it
-            offer_recipe(y, _leaf_recipe(run, (x,)))
+            offer_recipe(y, leaf_recipe(run, (x,)))
         return y
 
     @staticmethod
@@ -325,7 +378,7 @@ def recomputed_forward(cls):
     if forward not in _RECOMPUTED_FORWARDS:
         @functools.wraps(forward)
         def recomputing(self, x, *args, **kwargs):
-            if args or kwargs or not isinstance(x, torch.Tensor) or not _sharing():
+            if args or kwargs or not isinstance(x, torch.Tensor) or not shares_recipes():
                 return forward(self, x, *args, **kwargs)
             twin = self
             if getattr(self, "inplace", False):
@@ -368,7 +421,7 @@ def offering_forward(cls):
     if forward not in _OFFERING_FORWARDS:
         @functools.wraps(forward)
         def offering(self, x, *args, **kwargs):
-            if not _sharing():
+            if not shares_recipes():
                 return forward(self, x, *args, **kwargs)
             with _OfferedNorms(x):
                 return forward(self, x, *args, **kwargs)
@@ -391,9 +444,9 @@ class _OfferedNorms(TorchFunctionMode):
             call = batch_norm_call(args, kwargs)
             norm = (call["input"], call.get("weight"), call.get("bias"), call.get("eps", 1e-5))
             if call.get("training", False):
-                offer_recipe(y, _leaf_recipe(_batch_norm_again, norm))
+                offer_recipe(y, leaf_recipe(_batch_norm_again, norm))
             else:
-                offer_recipe(y, _leaf_recipe(F.batch_norm, (
+                offer_recipe(y, leaf_recipe(F.batch_norm, (
                     norm[0], call["running_mean"], call["running_var"], *norm[1:3], False,
                     0.0, norm[3])))
         return y
@@ -412,12 +465,13 @@ def is_offering_forward(forward) -> bool:
     return getattr(forward, "__func__", None) in _OFFERING_FORWARDS.values()
 
 
-def _leaf_recipe(fn, args):
-    """The recipe of fn(*args), every tensor argument a leaf (kept anyway: a norm's input)."""
+def leaf_recipe(fn, args, bits=None):
+    """The recipe of fn(*args), every tensor argument a leaf (kept anyway: a norm's input, or
+    its codes of `bits` bits)."""
     leaves = [a for a in args if isinstance(a, torch.Tensor)]
     at = {id(t): i for i, t in enumerate(leaves)}
     nodes = tuple(Leaf(at[id(a)]) if isinstance(a, torch.Tensor) else a for a in args)
-    return Recipe(fn, nodes, {}, _autocast_state(), None), tuple(leaves)
+    return Recipe(fn, nodes, {}, _autocast_state(), None, bits=bits), tuple(leaves)
 
 
 # --- max pooling ------------------------------------------------------------------------------
@@ -461,7 +515,7 @@ def pooled_forward(cls):
     if forward not in _POOLED_FORWARDS:
         @functools.wraps(forward)
         def pooling(self, x):
-            if not (_sharing() and x.requires_grad) or x.dim() != 4:
+            if not (shares_recipes() and x.requires_grad) or x.dim() != 4:
                 return forward(self, x)
             return _PooledOffsets.apply(x, self)
 

@@ -19,9 +19,10 @@ from actdesign.codegen.render import render_actnn
 from actdesign.errors import ActdesignError
 
 from .cache import generated
+from .chains import leaf_recipe, offer_recipe, shares_recipes
 from .compressed import CompressedConv2d, CompressedLinear, compressed_call
 from .fake import on_host
-from .sharing import whole
+from .sharing import kept_for, whole
 
 
 def eager(fn):
@@ -95,7 +96,21 @@ class _QuantizedInput:
             seed = draw_seed(x.device)
         packed, lo, width = actnn_ops().quantize(x.detach().reshape(x.shape[0], -1), bits,
                                                  seed, self.group_size)
-        return packed, lo, width, bits
+        codes = packed, lo, width, bits
+        if x.grad_fn is not None and kept_for(x, self.bits_taken)[2] is None \
+                and shares_recipes(in_function=True):
+            # made in this forward: its other readers (a block's shortcut conv, a residual
+            # add's recipe) keep these codes, in place of any offer this layer found unfit.
+            # Not a tensor the caller feeds again: each forward draws its codes anew.
+            offer_recipe(whole(x), leaf_recipe(_dequantized, (
+                *codes, self.group_size, tuple(x.shape), x.dtype), bits=self.bits_taken))
+        return codes
+
+    @property
+    def bits_taken(self):
+        """The fewest bits of codes it keeps of what x's producer offers made from codes (a
+        batch norm's output rebuilt from its codes of x̂): its own; none with bits per sample."""
+        return self.bits if isinstance(self.bits, int) else None
 
     def share(self, x, codes):
         """Offer `codes` of x (from `compress`) to the layers that read x: a QLinear with the
@@ -103,16 +118,19 @@ class _QuantizedInput:
         changed in place since."""
         setattr(x, _SHARED, (self.group_size, x._version, codes))
 
-    @eager
     def restore(self, saved, shape, dtype):
-        packed, lo, width, bits = saved
-        x = actnn_ops().dequantize(packed, lo, width, bits, math.prod(shape[1:]),
-                                   self.group_size, dtype)
-        return x.view(shape)
+        return _dequantized(*saved, self.group_size, shape, dtype)
 
     def extra_repr(self):
         bits = self.bits if isinstance(self.bits, int) else "per sample"
         return super().extra_repr() + f", bits={bits}, group_size={self.group_size}"
+
+
+@eager
+def _dequantized(packed, lo, width, bits, group_size, shape, dtype):
+    """x^ of `shape` and `dtype` from its codes."""
+    x = actnn_ops().dequantize(packed, lo, width, bits, math.prod(shape[1:]), group_size, dtype)
+    return x.view(shape)
 
 
 class InputCodes(_QuantizedInput):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .chains import batch_norm_call
+from .chains import batch_norm_call, leaf_recipe, offer_recipe, shares_recipes
 from .fake import on_host
 from .quantized import InputCodes
 
@@ -31,7 +31,7 @@ from .quantized import InputCodes
 class _QuantizedBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps,
-                codes):
+                codes, offers):
         out, mean, invstd, reserve, impl = torch.ops.aten._batch_norm_impl_index(
             x, weight, bias, running_mean, running_var, training, momentum, eps,
             torch.backends.cudnn.enabled)
@@ -43,6 +43,9 @@ class _QuantizedBatchNorm(torch.autograd.Function):
         ctx.training, ctx.eps, ctx.impl = training, eps, impl
         ctx.channels_last = x.dim() == 4 and not x.is_contiguous() \
             and x.is_contiguous(memory_format=torch.channels_last)
+        if offers and shares_recipes(in_function=True):  # readers keeping codes keep these
+            offer_recipe(out, leaf_recipe(_output_again, (
+                *kept, weight, bias, codes, x.shape, out.dtype), bits=codes.bits))
         return out
 
     @staticmethod
@@ -57,7 +60,17 @@ class _QuantizedBatchNorm(torch.autograd.Function):
         grad_x, grad_w, grad_b = torch.ops.aten._batch_norm_impl_index_backward(
             ctx.impl, x, grad, weight, running_mean, running_var, mean, invstd, ctx.training,
             ctx.eps, [needs[0], needs[1], needs[2]], reserve)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def _output_again(packed, lo, width, bits, weight, bias, codes, shape, dtype):
+    """The norm's output made again from its codes of x̂: x̂·γ + β, unbiased as the codes are,
+    its step x̂'s scaled by γ."""
+    y = codes.restore((packed, lo, width, bits), shape, dtype)
+    channels = (1, -1) + (1,) * (len(shape) - 2)
+    if weight is not None:
+        y = y.mul_(weight.to(dtype).view(channels))
+    return y if bias is None else y.add_(bias.to(dtype).view(channels))
 
 
 def _statistics(x, mean, invstd, running_mean, running_var, eps):
@@ -86,11 +99,12 @@ def _normalized_codes(codes, x, center, scale, slices=8):
 
 
 class _QuantizedNorms(TorchFunctionMode):
-    """While open, `F.batch_norm` on `x` keeps codes of x (`_QuantizedBatchNorm`)."""
+    """While open, `F.batch_norm` on `x` keeps codes of x (`_QuantizedBatchNorm`), and
+    where it `offers`, its output carries a recipe from them."""
 
-    def __init__(self, x, codes):
+    def __init__(self, x, codes, offers):
         super().__init__()
-        self.x, self.codes = x, codes
+        self.x, self.codes, self.offers = x, codes, offers
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,12 +114,14 @@ class _QuantizedNorms(TorchFunctionMode):
         return _QuantizedBatchNorm.apply(
             call["input"], call.get("weight"), call.get("bias"), call["running_mean"],
             call["running_var"], call.get("training", False), call.get("momentum", 0.1),
-            call.get("eps", 1e-5), self.codes)
+            call.get("eps", 1e-5), self.codes, self.offers)
 
 
-def quantized_norm_forward(cls, bits: int, group_size: int):
+def quantized_norm_forward(cls, bits: int, group_size: int, offers: bool = False):
     """cls.forward, its batch norm keeping b-bit codes of its input while gradients are
-    wanted (and not under torch.compile, which keeps what it decides)."""
+    wanted (and not under torch.compile, which keeps what it decides). Where it `offers` (in
+    a convolutional chain), its output carries the recipe that makes it again from the codes,
+    which its readers keeping codes of as many bits or fewer keep in place of their own."""
     forward = cls.forward
     codes = InputCodes(bits, group_size)
 
@@ -114,12 +130,17 @@ def quantized_norm_forward(cls, bits: int, group_size: int):
         if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad) \
                 or torch.compiler.is_compiling():
             return forward(self, x, *args, **kwargs)
-        with _QuantizedNorms(x, codes):
+        with _QuantizedNorms(x, codes, offers):
             return forward(self, x, *args, **kwargs)
 
-    quantized.actdesign_codes = codes
+    quantized.actdesign_codes, quantized.actdesign_offers = codes, offers
     return quantized
 
 
 def is_quantized_norm_forward(forward) -> bool:
     return hasattr(getattr(forward, "__func__", None), "actdesign_codes")
+
+
+def offers_from_codes(forward) -> bool:
+    """Whether a batch norm's forward offers its output as a recipe from its codes."""
+    return getattr(getattr(forward, "__func__", None), "actdesign_offers", False)

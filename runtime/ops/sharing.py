@@ -88,15 +88,25 @@ def _affine(xhat, weight, bias, dtype):
     return generated(render_norms).affine(xhat, weight, bias, dtype)
 
 
-def kept_for(x):
+def kept_for(x, bits_taken=None, passing_on=False):
     """(primary, extras, make): what to keep for x. `primary` (x itself, or what its producer
     offers, such as x̂) may be compressed; `extras` are kept as they are; `make` is None when
-    primary is x itself. `rebuild` turns them back into x."""
+    primary is x itself. `rebuild` turns them back into x.
+
+    An offer made from codes rebuilds an approximation of x (`make.bits`: the fewest bits of
+    its codes): it is taken only by a reader that keeps codes of at most as many bits
+    (`bits_taken`), never by an exact one (None), and only where what it may keep for the
+    offer alone (`make.loose`, a tensor no producer offered) is no more than its own codes.
+    `passing_on`: for a recipe one op further, which keeps nothing: every offer."""
     if torch.compiler.is_compiling():
         return x, (), None
     base = _covered(x)
     got = getattr(base, _OFFER, None)
     if got is None or got.version != base._version:
+        return x, (), None
+    bits = getattr(got.make, "bits", None)
+    if bits is not None and not passing_on and (
+            bits_taken is None or bits < bits_taken or got.make.loose * 8 > x.numel() * bits_taken):
         return x, (), None
     primary = got.primary
     if primary is not None and x is not base:
@@ -123,7 +133,7 @@ def keep(x, keeper):
     """(the tensors to save for x, how to read them back): `keeper` (a layer's `compress` and
     `restore`) compresses what x's producer offers, or x itself; the rest of the offer is
     saved as it is. `restore` turns them back into x."""
-    primary, extras, make = kept_for(x)
+    primary, extras, make = kept_for(x, getattr(keeper, "bits_taken", None))
     saved = () if primary is None else keeper.compress(primary)
     return (*saved, *extras), (make, len(saved))
 
