@@ -258,3 +258,22 @@ def test_a_relus_mask_passes_an_exact_recipe_on_exactly():
     want, got = _bn_step(eager, x), _bn_step(ours, x)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))
+
+
+@pytest.mark.parametrize("precision", ["autocast", "bf16 weights"])
+def test_a_chain_of_codes_in_bf16(precision):
+    """bf16 as users train: the forward stays eager's bits, the convolutions still keep no
+    codes of their own (the recipes make bf16 tensors from the norms' bf16 codes), and the
+    step's gradients are finite."""
+    torch.manual_seed(0)
+    eager = trained_like(torchvision.models.resnet18(num_classes=10)).train()
+    if precision == "bf16 weights":
+        eager = eager.to(torch.bfloat16)
+    ours = copy.deepcopy(eager)
+    x = torch.randn(2, 3, 32, 32, dtype=next(eager.parameters()).dtype)
+    compress(ours, "cnn+actnn2", x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        assert set(_kept_by_convs(ours, x)) == {"conv1", "layer1.0.conv1"}
+        want, got = _bn_step(eager, x), _bn_step(ours, x)
+    assert want[0].dtype == torch.bfloat16 and torch.equal(want[0], got[0])
+    assert all(torch.isfinite(g).all() for g in got[2])
