@@ -28,7 +28,7 @@ own ops: the same bits. Here:
 Under ActNN (`cnn+actnn2`) a batch norm keeps codes of x̂ in place of its input, and offers
 its output as a recipe from them, an approximation (`Recipe.bits`): a ReLU's 1-bit mask, a
 residual add and a convolution's codes of a tensor nothing else offers (`QConv2d`) carry it on,
-and only readers that keep codes of as many bits or more take it (`sharing.kept_for`).
+and only readers that keep codes of as many bits or fewer take it (`sharing.kept_for`).
 
 A rebuilt tensor has the original's bits and strides (an approximation only where a leaf is
 codes). Rebuilding runs elementwise ops (and a BatchNorm's statistics once more); a residual
