@@ -25,6 +25,7 @@ from ..ops.compressed import LeanLinear
 from ..ops.quantized import InputCodes, QConv2d, QLinear
 from ..ops.quantized_norms import is_quantized_norm_forward, quantized_norm_forward
 from .base import Method, Option, integer, register
+from .chain import Chain
 from .edits import BoundMethod, Edit
 from .lora import is_lean, kept_elsewhere, plan_lean_lora
 
@@ -95,7 +96,7 @@ class ActNN(Method):
             raise ActdesignError("its forward is already replaced on the instance")
         bits, group_size = bits_of(name, rule)
         # a chain rule for it too (cnn+actnn2): its codes take its input's place in the chain
-        chained = any(r.apply == "chain" and r.matches(name, module, "channel_norm")
+        chained = any(r.apply == Chain.name and r.matches(name, module, "channel_norm")
                       for r in draft.policy.rules)
         draft.edits.append(Edit(module, "forward", BoundMethod(
             module, quantized_norm_forward, type(module), bits, group_size, chained)))
