@@ -22,7 +22,7 @@ from .cache import generated
 from .chains import leaf_recipe, offer_recipe, shares_recipes
 from .compressed import CompressedConv2d, CompressedLinear, compressed_call
 from .fake import on_host
-from .sharing import kept_for, whole
+from .sharing import whole
 
 
 def eager(fn):
@@ -97,11 +97,11 @@ class _QuantizedInput:
         packed, lo, width = actnn_ops().quantize(x.detach().reshape(x.shape[0], -1), bits,
                                                  seed, self.group_size)
         codes = packed, lo, width, bits
-        if x.grad_fn is not None and kept_for(x, self.bits_taken)[2] is None \
-                and shares_recipes(in_function=True):
-            # made in this forward: its other readers (a block's shortcut conv, a residual
-            # add's recipe) keep these codes, in place of any offer this layer found unfit.
-            # Not a tensor the caller feeds again: each forward draws its codes anew.
+        if x.grad_fn is not None and shares_recipes(in_function=True):
+            # made in this forward (`keep` hands x itself over only where x offers nothing
+            # this layer takes): its other readers (a block's shortcut conv, a residual add's
+            # recipe) keep these codes. Not a tensor the caller feeds again: each forward
+            # draws its codes anew.
             offer_recipe(whole(x), leaf_recipe(_dequantized, (
                 *codes, self.group_size, tuple(x.shape), x.dtype), bits=self.bits_taken))
         return codes
