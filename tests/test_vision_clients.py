@@ -72,3 +72,25 @@ def test_torch_compile_with_fullgraph_takes_the_compressed_model_without_a_break
     assert compress(ours, "cnn", x).replaced
     _same(_train(torch.compile(net, fullgraph=True), x, 1),
           _train(torch.compile(ours, fullgraph=True), x, 1))
+
+
+def test_one_block_recomputed_reads_its_input_whole_in_both_passes():
+    """A checkpointed block whose input carries the block before's recipe: the recompute
+    reads the input detached, without it, so inside the checkpoint no reader takes an offer
+    made outside (else the forward saves more than the recompute, and the checkpoint
+    refuses). Under the step's own saved-tensor hooks, as estimate and plan run it."""
+    from actdesign.runtime.memory.steps import step
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", num_classes=10).train()
+    x = torch.randn(2, 3, 32, 32)
+    ours = copy.deepcopy(model)
+    compress(ours, {"format": "actdesign.policy/1", "rules": [
+        {"target": "block", "name": "layer3.0", "apply": "checkpoint"},
+        {"target": "channel_norm", "apply": "chain"}, {"target": "activation", "apply": "chain"},
+        {"target": "pool", "apply": "chain"}, {"target": "conv2d", "apply": "lean"}]}, x,
+        allow_more=True)
+    for m in (model, ours):
+        step(m, x, "fp32")
+    _same({n: p.grad for n, p in model.named_parameters()},
+          {n: p.grad for n, p in ours.named_parameters()})

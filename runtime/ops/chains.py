@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .sharing import Whole, keep, kept_for, offer, restore
+from .sharing import Whole, in_checkpoint, keep, kept_for, offer, restore
 
 
 class Recipe:
@@ -211,18 +211,9 @@ def offer_recipe(y, built) -> None:
 def shares_recipes(in_function=False) -> bool:
     """Whether the chain shares recipes here: gradients wanted (always, asked `in_function`,
     an autograd Function's forward, where they are off), not compiling (the compiler decides
-    what to keep), not inside a checkpoint (`_checkpointed`)."""
+    what to keep), not inside a checkpoint (`in_checkpoint`)."""
     return (in_function or torch.is_grad_enabled()) and not torch.compiler.is_compiling() \
-        and not _checkpointed()
-
-
-def _checkpointed() -> bool:
-    """Inside torch.utils.checkpoint's forward or its recomputation (non-reentrant, as timm's
-    and transformers' checkpointing run): the chain steps aside in both, so they save the
-    same tensors (the checkpoint checks) and the checkpoint alone decides what is kept."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
-        ("_checkpoint_hook.", "_recomputation_hook."))
+        and not in_checkpoint()
 
 
 def _tensors(args, kwargs):
@@ -261,7 +252,7 @@ class TrackedOps(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         redo = _TRACKED.get(func)
-        if redo is None or _checkpointed():
+        if redo is None or in_checkpoint():
             return func(*args, **kwargs)
         found = {id(a): recipe_of(a) for a in _tensors(args, kwargs)}  # before it changes them
         in_place = func in _IN_PLACE or (func is F.relu and kwargs.get("inplace", False))

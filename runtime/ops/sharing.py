@@ -34,6 +34,7 @@ class _Offer:
     extras: tuple  # kept as they are (γ and β; a gated MLP's g and u)
     make: object  # make(primary, *extras, dtype=...) -> y
     version: int
+    checkpointed: bool  # made inside a checkpoint (`in_checkpoint`)
 
 
 def whole(x):
@@ -75,7 +76,17 @@ def offer(y, primary, extras, make) -> None:
     anyway. `make` holds no tensors."""
     if torch.compiler.is_compiling():
         return
-    setattr(y, _OFFER, _Offer(primary, tuple(extras), make, y._version))
+    setattr(y, _OFFER, _Offer(primary, tuple(extras), make, y._version, in_checkpoint()))
+
+
+def in_checkpoint() -> bool:
+    """Inside torch.utils.checkpoint's forward or its recomputation (non-reentrant, as timm's
+    and transformers' checkpointing run). The recomputation reads the checkpoint's inputs
+    detached, without the offers they carried: a reader inside takes only offers made
+    inside, so both save the same tensors (the checkpoint checks)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+        ("_checkpoint_hook.", "_recomputation_hook."))
 
 
 def offer_affine(y, xhat, weight, bias) -> None:
@@ -102,7 +113,7 @@ def kept_for(x, bits_taken=None, passing_on=False):
         return x, (), None
     base = _covered(x)
     got = getattr(base, _OFFER, None)
-    if got is None or got.version != base._version:
+    if got is None or got.version != base._version or got.checkpointed < in_checkpoint():
         return x, (), None
     bits = getattr(got.make, "bits", None)
     if bits is not None and not passing_on and (
