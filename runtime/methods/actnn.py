@@ -22,6 +22,7 @@ from actdesign.designer.allocate import load_bits
 from actdesign.errors import ActdesignError
 
 from ..ops.compressed import LeanLinear
+from ..ops.known_modules import is_channel_norm
 from ..ops.quantized import InputCodes, QConv2d, QLinear
 from ..ops.quantized_norms import is_quantized_norm_forward, quantized_norm_forward
 from .base import Method, Option, integer, register
@@ -66,7 +67,12 @@ class ActNN(Method):
     targets = ("linear", "conv2d", "channel_norm")
     options = {"bits": Option(2, integer(1, 8)), "group_size": Option(256, power_of_two),
                "allocation": Option(None, allocation_file)}
-    offers = {kind: tuple({"bits": b} for b in range(1, 9)) for kind in ("linear", "conv2d")}
+    offers = {kind: tuple({"bits": b} for b in range(1, 9))
+              for kind in ("linear", "conv2d", "channel_norm")}
+
+    def takes(self, module) -> bool:
+        # of the norms, a batch norm alone keeps codes of its input (`_replace_norm`)
+        return not is_channel_norm(module) or isinstance(module, nn.modules.batchnorm._BatchNorm)
 
     def attached(self, module) -> bool:
         return is_lean(module) or is_quantized_norm_forward(module.__dict__.get("forward"))

@@ -109,7 +109,7 @@ def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="b
     if explain:
         clock.say("the presets and the alternatives, for the explanation")
         shapes = ShapeSteps(model, example, precision, kernels)
-        presets = {n: preset_policy(costs, n) for n in PRESETS}
+        presets = {n: preset_policy(costs, n) for n in PRESETS[costs.base]}
         explanation = explain_mod.explain(result, shapes, list(presets.items()))
         better = explain_mod.better_preset(explanation)
         if better is not None:  # a preset that fits measured better: it is the plan

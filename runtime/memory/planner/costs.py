@@ -12,6 +12,8 @@ from ...methods import option_label
 from .. import cards
 from .errors import Reference, measure_errors
 from .sites import (
+    BASES,
+    LOSSLESS,
     Site,
     blocks_of,
     checkpoint_rules,
@@ -36,39 +38,47 @@ class Costs:
     calibration: str  # what the errors were measured on
     card: cards.Card  # what time costs
     reference: Reference  # prices other policies' errors
+    base: str = LOSSLESS  # the lossless preset the plan builds on
 
 
 def measure_costs(model, batches, example, precision, card, kernels, calibration,
                   clock) -> Costs:
-    sites = find_sites(model, batches[0])
+    shapes = ShapeSteps(model, example, precision, kernels)
+    baseline = shapes.run(policy_mod.load("none"))
+    # the lossless base keeping the fewest bytes (the first of a tie)
+    kept = {b: shapes.run(policy_of([], b)).saved.total for b in BASES}
+    base = min(BASES, key=kept.get)
+    lossless = shapes.run(policy_of([], base), flops=True)
+    sites = find_sites(model, batches[0], base)
     blocks = blocks_of(model)
     classes: dict[str, list[Site]] = {}
     for s in sites:
         classes.setdefault(class_of(s), []).append(s)
-    clock.say(f"{len(sites)} sites in {len(classes)} classes, {len(blocks)} blocks")
-
-    shapes = ShapeSteps(model, example, precision, kernels)
-    baseline = shapes.run(policy_mod.load("none"))
-    lossless = shapes.run(policy_of([]), flops=True)
+    clock.say(f"{len(sites)} sites in {len(classes)} classes, {len(blocks)} blocks, on {base}")
     clock.say("bytes of each option, per class of sites")
     delta = {}  # (site, option label) -> change of saved bytes
+    spread = {}  # (site across blocks, option label) -> {block: its change of saved bytes}
     offered = {}  # class -> the options that save bytes at this shape
     for name, members in classes.items():
         offered[name] = []
         for method, opts in options(members[0].kind):
             label = option_label(method, opts)
-            step = shapes.run(policy_of([r for s in members for r in site_rules(s, method, opts)]))
+            step = shapes.run(policy_of([r for s in members for r in site_rules(s, method, opts)],
+                                        base))
             for s in members:
                 delta[s, label] = _within(step, s.block, members) - _within(lossless, s.block,
                                                                              members)
+                if s.block is None:
+                    spread[s, label] = {b: step.block_bytes(b) - lossless.block_bytes(b)
+                                        for b in blocks}
             if any(delta[s, label] < 0 for s in members):
                 offered[name].append(label)
-    recomputed = shapes.run(policy_of(checkpoint_rules(blocks)), windows=blocks) \
+    recomputed = shapes.run(policy_of(checkpoint_rules(blocks), base), windows=blocks) \
         if blocks else None
     clock.lap("bytes")
 
     clock.say("gradient errors on the calibration batches")
-    reference = Reference(model, batches)
+    reference = Reference(model, batches, base)
     errors, passes = measure_errors(reference, classes, offered)
     clock.lap("errors")
 
@@ -84,10 +94,19 @@ def measure_costs(model, batches, example, precision, card, kernels, calibration
             priced.append(solver.Option(label, n, errors[s, label],
                                         card.option_time(label, keep, n)))
         problem_sites.append(solver.Site(s.name, tuple(priced), block_index.get(s.block)))
-        if s.block is None:
-            outside -= keep
-        else:
+        if s.block is not None:
             inner[s.block] -= keep
+            continue
+        # a site outside every block may keep bytes inside several (a residual stream's
+        # chain): those leave the blocks' own bytes, split as its most saving option saves
+        # them, so that a block recomputed frees only its own (the site's stay counted)
+        if keep:
+            best = min(labels, key=lambda label: delta[s, label])
+            for b, change in spread[s, best].items():
+                moved = min(max(0, -change), inner[b], keep)
+                inner[b] -= moved
+                keep -= moved
+        outside -= keep
     # a recomputed block runs its forward again: a third of its step's FLOPs, and it writes
     # what it saves once more; while its backward runs, it holds what the step with every
     # block recomputed held then beyond its saved bytes (a block whose backward is not one
@@ -102,7 +121,7 @@ def measure_costs(model, batches, example, precision, card, kernels, calibration
     problem = solver.Problem(tuple(problem_sites), tuple(problem_blocks), outside,
                              lossless.peak - lossless.activations, base_time)
     return Costs(sites, blocks, problem, baseline.saved.total, baseline.peak,
-                 lossless.saved.total, passes, calibration, card, reference)
+                 lossless.saved.total, passes, calibration, card, reference, base)
 
 
 def _within(step, block, members) -> int:

@@ -21,9 +21,9 @@ class Reference:
     """The lossless model's parameter gradients on the calibration batches, dropout off, and
     the error of other policies against them."""
 
-    def __init__(self, model, batches):
-        self.model, self.batches = model, batches
-        reference = calibration_copy(model, policy_of([]))
+    def __init__(self, model, batches, base):
+        self.model, self.batches, self.base = model, batches, base
+        reference = calibration_copy(model, policy_of([], base))
         self.grads = [_gradients(reference, b) for b in batches]
         self.energy = sum(_energy(g.values()) for g in self.grads)
         if self.energy == 0:
@@ -59,30 +59,39 @@ def _differences(grads, exact) -> dict:
 
 def measure_errors(reference: Reference, classes: dict, offered: dict) -> tuple[dict, dict]:
     """({(site, option label): error}, {kind: passes per batch}): one pass per offered option
-    of each class of sites, every site of the class compressed; the class's error split among
-    its sites by what each adds locally."""
+    of each class of sites, every site of the class compressed, the class's error split among
+    its sites by what each adds locally; one per site of a chain's."""
     errors, passes = {}, {}
-    for name, members in classes.items():
-        kind = members[0].kind
-        passes[kind] = passes.get(kind, 0) + len(offered[name])
-        for label in offered[name]:
-            method, opts = labelled(kind)[label]
-            rules = [r for s in members for r in site_rules(s, method, opts)]
-            trial = calibration_copy(reference.model, policy_of(rules))
-            local = dict.fromkeys(members, 0.0)
-            total = 0.0
-            for batch, g in zip(reference.batches, reference.grads, strict=True):
-                with _local_errors(trial, members, kind, reference.model) as found:
-                    diff = _differences(_gradients(trial, batch), g)
-                total += _energy(diff.values())
-                for s in members:
-                    local[s] += found[s] if kind == "activation" else _energy(
-                        d for n, d in diff.items() if _owned(n, s))
-            share = sum(local.values())
-            for s in members:
-                errors[s, label] = total / reference.energy * (
-                    local[s] / share if share > 0 else 1 / len(members))
+    for name, together in classes.items():
+        kind = together[0].kind
+        # a chain's codes of a norm change the gradient of its input, and so every gradient
+        # before it: nothing local tells its share, so each chain is measured alone
+        for members in [[s] for s in together] if together[0].sources else [together]:
+            passes[kind] = passes.get(kind, 0) + len(offered[name])
+            _measure(reference, members, kind, offered[name], errors)
     return errors, passes
+
+
+def _measure(reference, members, kind, labels, errors) -> None:
+    """errors[site, label] of each option: every site of `members` compressed at once, the
+    error split among them by what each adds locally."""
+    for label in labels:
+        method, opts = labelled(kind)[label]
+        rules = [r for s in members for r in site_rules(s, method, opts)]
+        trial = calibration_copy(reference.model, policy_of(rules, reference.base))
+        local = dict.fromkeys(members, 0.0)
+        total = 0.0
+        for batch, g in zip(reference.batches, reference.grads, strict=True):
+            with _local_errors(trial, members, kind, reference.model) as found:
+                diff = _differences(_gradients(trial, batch), g)
+            total += _energy(diff.values())
+            for s in members:
+                local[s] += found[s] if kind == "activation" else _energy(
+                    d for n, d in diff.items() if _owned(n, s))
+        share = sum(local.values())
+        for s in members:
+            errors[s, label] = total / reference.energy * (
+                local[s] / share if share > 0 else 1 / len(members))
 
 
 def _owned(param_name: str, site: Site) -> bool:

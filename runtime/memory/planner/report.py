@@ -75,11 +75,12 @@ class MemoryPlan:
             lines.append(f"{_tail(site, 47):<48}{choice:>12}{n / 2**20:>11.3f}{e:>11.3g}"
                          f"{t * 1e3:>10.3g}{t / base:>9.2%}")
         if not self.rows():
-            lines.append("(none: every site keeps its input, the lossless ops apply)")
-        lines.append(f"planned: peak {self.peak_bytes / 2**20:,.2f} MiB ({self.peak_bytes:,} "
-                     f"bytes; budget {self.budget:,}), saved {self.saved_bytes / 2**20:,.2f} MiB "
-                     f"(uncompressed {self.costs.baseline_saved / 2**20:,.2f}), gradient "
-                     f"error {self.solution.error:.3g}{self._measured()}, time "
+            lines.append(f"(none: every site keeps its input, {self.costs.base} applies)")
+        lines.append(f"planned on {self.costs.base}: peak {self.peak_bytes / 2**20:,.2f} MiB "
+                     f"({self.peak_bytes:,} bytes; budget {self.budget:,}), saved "
+                     f"{self.saved_bytes / 2**20:,.2f} MiB (uncompressed "
+                     f"{self.costs.baseline_saved / 2**20:,.2f}), gradient error "
+                     f"{self.solution.error:.3g}{self._measured()}, time "
                      f"{self.solution.time / base:.3f}x "
                      f"of a {base * 1e3:.3g} ms step ({self.costs.card.describe()})")
         lines.append(f"errors measured on {self.costs.calibration}")
@@ -139,7 +140,7 @@ def draw_front(plan: MemoryPlan, model, batches, example, precision, path,
         if progress is not None:
             progress("pricing the presets for the plot")
         explanation = explain_mod.explain(
-            plan, shapes, [(n, preset_policy(plan.costs, n)) for n in PRESETS])
+            plan, shapes, [(n, preset_policy(plan.costs, n)) for n in PRESETS[plan.costs.base]])
     planned = Point("plan", plan.saved_bytes, plan.peak_bytes,
                     plan.costs.reference.error(plan.policy))
     curve = front(plan)

@@ -1,9 +1,10 @@
-"""The planner's sites and options: where a lossy method can act (an activation, or the
-layers reading one tensor), the blocks a checkpoint rule can name, each kind's options, and
-the policy a choice of options makes."""
+"""The planner's sites and options: where a lossy method can act (an activation, the layers
+reading one tensor, or a convolutional chain's codes), the blocks a checkpoint rule can name,
+each kind's options, and the policy a choice of options makes."""
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 
@@ -11,14 +12,21 @@ import torch
 
 from ... import models
 from ...apply import policy as policy_mod
-from ...apply.compress import match
+from ...apply.accounting import storage_key
+from ...apply.compress import compress, match
 from ...methods import METHODS, option_label
 from ...methods.checkpoint import Checkpoint
 from ...methods.targets import target_of
 from ...ops.draws import probing
-from ...ops.sharing import whole
+from ...ops.sharing import _OFFER, _covered, kept_for, whole
 
-LOSSLESS = "llm"
+LOSSLESS = "llm"  # the lossless base of text models
+# The lossless presets a plan may build on: the one keeping the fewest bytes at the target
+# shape (MS norms and gated MLPs for transformers, convolutional chains for conv nets).
+BASES = ("llm", "cnn")
+# Where a chain's norm keeps codes, the activations after it keep what passes its recipe on
+# (a ReLU's exact 1-bit mask), as in `actnn2`.
+_CHAIN_ACTIVATIONS = next(r for r in policy_mod.PRESETS["actnn2"] if r["target"] == "activation")
 
 
 def kinds() -> list[str]:
@@ -36,9 +44,13 @@ def options(kind: str) -> list[tuple[str, dict]]:
 @dataclass(frozen=True)
 class Site:
     name: str  # how the table names it
-    kind: str  # activation, linear or conv2d
+    kind: str  # activation, linear, conv2d or channel_norm
     layers: tuple[str, ...]  # the modules a rule names
     block: str | None  # the block it lies in
+    # A chain's norms and activations, ((name, target), ...), whose codes and masks the
+    # layers rebuild their input from: they take the layers' bits where the method keeps
+    # codes of a norm (one set of codes serves them all, so one choice of bits).
+    sources: tuple[tuple[str, str], ...] = ()
 
 
 def blocks_of(model) -> list[str]:
@@ -52,13 +64,14 @@ def blocks_of(model) -> list[str]:
     return found
 
 
-def find_sites(model, example) -> list[Site]:
+def find_sites(model, example, base: str = LOSSLESS) -> list[Site]:
     """Every site a lossy rule can take, in the model's order: the activations with a built-in
     derivative and the Linear/Conv layers compress would quantize, grouped by the tensor they
-    read (found by one forward of `example`)."""
+    read, and the batch norms keeping codes, joined with the activations and layers reading
+    them (found by forwards of `example`)."""
     every = {"format": policy_mod.FORMAT, "rules": [
         *({"target": kind, "apply": options(kind)[0][0]} for kind in kinds()),
-        *policy_mod.PRESETS[LOSSLESS]]}
+        *policy_mod.PRESETS[base]]}
     layers = {}  # name -> kind
     for name, (m, rule) in match(model, policy_mod.load(every)).chosen.items():
         method = METHODS[rule.apply]
@@ -67,19 +80,84 @@ def find_sites(model, example) -> list[Site]:
         layers |= method.sites(name, m)  # the parts of a module a method takes whole
     modules = dict(model.named_modules())
     reads = _inputs_read(model, {n: modules[n] for n in layers}, example)
+    chained = _chains(model, base, layers, example) if "channel_norm" in layers.values() else []
+    joined = {n: i for i, chain in enumerate(chained) for n in chain}
     groups: dict = {}
     for name, kind in layers.items():
-        key = (kind, reads.get(name, name)) if kind != "activation" else (kind, name)
+        key = ("chain", joined[name]) if name in joined else \
+            (kind, reads.get(name, name)) if kind != "activation" else (kind, name)
         groups.setdefault(key, []).append(name)
     blocks = blocks_of(model)
     order = {name: i for i, name in enumerate(modules)}
     sites = []
     for (kind, _), names in groups.items():
         names.sort(key=order.get)
-        block = next((b for b in blocks if names[0].startswith(b + ".")), None)
-        sites.append(Site(_group_name(names), kind, tuple(names), block))
+        sources = ()
+        if kind == "chain":  # the readers name it; the norms alone where none reads it
+            readers = [n for n in names if layers[n] in ("conv2d", "linear")]
+            norms = [n for n in names if layers[n] == "channel_norm"]
+            kind = layers[readers[0]] if readers else "channel_norm"
+            sources = tuple((n, layers[n]) for n in names if n not in (readers or norms))
+            names = readers or norms
+        everything = sorted([*names, *(n for n, _ in sources)], key=order.get)
+        inside = {next((b for b in blocks if n.startswith(b + ".")), None) for n in everything}
+        block = inside.pop() if len(inside) == 1 else None
+        sites.append(Site(_group_name(everything) if sources else _group_name(names), kind,
+                          tuple(names), block, sources))
     sites.sort(key=lambda s: order[s.layers[0]])
     return sites
+
+
+def _chains(model, base, layers: dict, example) -> list[set]:
+    """The layers ActNN's codes join in a convolutional chain: under `base`+actnn2, a batch
+    norm's codes, the masks of the activations after it (a residual add joins two chains'),
+    and the layers that rebuild their input from them rather than keep codes of their own.
+    Found on one forward of a compressed copy."""
+    trial = copy.deepcopy(model).train()
+    compress(trial, f"{base}+actnn2", allow_more=True)  # a probe of the joined methods
+    params = {storage_key(t) for t in [*trial.parameters(), *trial.buffers()]}
+    owner, parent = {}, {n: n for n in layers}
+
+    def find(n):
+        while parent[n] != n:
+            parent[n] = n = parent[parent[n]]
+        return n
+
+    def join(name, offer):
+        for t in offer.extras if offer is not None and getattr(offer.make, "bits", None) \
+                else ():
+            key = storage_key(t)
+            if key not in params:
+                parent[find(owner.setdefault(key, name))] = find(name)
+
+    def made(name):
+        def hook(module, args, out):
+            if isinstance(out, torch.Tensor):
+                join(name, getattr(_covered(out), _OFFER, None))
+        return hook
+
+    def read(name):
+        def hook(module, args):
+            primary, extras, make = kept_for(args[0], getattr(module, "bits_taken", None))
+            if make is not None:
+                join(name, getattr(_covered(args[0]), _OFFER, None))
+        return hook
+
+    modules = dict(trial.named_modules())
+    handles = [modules[n].register_forward_hook(made(n)) if kind in ("channel_norm", "activation")
+               else modules[n].register_forward_pre_hook(read(n))
+               for n, kind in layers.items()]
+    try:
+        with probing(trial):  # gradients on: the chain offers only what a backward reads
+            models.call(trial, example)
+    finally:
+        for h in handles:
+            h.remove()
+    chains: dict = {}
+    for n in layers:
+        chains.setdefault(find(n), set()).add(n)
+    return [c for c in chains.values() if len(c) > 1 and any(layers[n] == "channel_norm"
+                                                               for n in c)]
 
 
 def _group_name(names) -> str:
@@ -127,13 +205,23 @@ def labelled(kind: str) -> dict:
 
 
 def site_rules(site: Site, method: str, options: dict) -> list[dict]:
-    return [{"target": site.kind, "name": list(site.layers), "apply": method, **options}]
+    """The rules of a site's option: its layers', and where the method keeps codes of a
+    norm, its chain's norms' at the same bits and its activations' masks."""
+    rules = [{"target": site.kind, "name": list(site.layers), "apply": method, **options}]
+    if "channel_norm" in METHODS[method].targets:
+        for target in ("channel_norm", "activation"):
+            names = [n for n, t in site.sources if t == target]
+            if names:
+                rule = {"target": target, "apply": method, **options} \
+                    if target == "channel_norm" else _CHAIN_ACTIVATIONS
+                rules.append({**rule, "name": names})
+    return rules
 
 
-def policy_of(rules: list[dict], label="plan") -> policy_mod.Policy:
-    base = policy_mod.PRESETS[LOSSLESS]
-    return policy_mod.validate({"format": policy_mod.FORMAT, "rules": [*rules, *base]},
-                               label=label)
+def policy_of(rules: list[dict], base: str = LOSSLESS, label="plan") -> policy_mod.Policy:
+    """`rules` before the lossless base's."""
+    return policy_mod.validate({"format": policy_mod.FORMAT,
+                                "rules": [*rules, *policy_mod.PRESETS[base]]}, label=label)
 
 
 def checkpoint_rules(blocks, offloaded=()) -> list[dict]:
@@ -160,15 +248,18 @@ def plan_policy(costs, solution) -> policy_mod.Policy:
     rules += checkpoint_rules(
         [b for b, on in zip(costs.blocks, solution.recomputed, strict=True) if on],
         {b for b, on in zip(costs.blocks, solution.offloaded, strict=True) if on})
-    return policy_of(rules)
+    return policy_of(rules, costs.base)
 
 
-PRESETS = ("llm", "llm+actnn2", "fewbit3+msnorm", "fewbit3+msnorm+actnn2", "actnn2",
-           "llm+checkpoint")
+# The presets a plan is shown beside, by its lossless base (`base+checkpoint`: the base with
+# every block recomputed).
+PRESETS = {"llm": ("llm", "llm+actnn2", "fewbit3+msnorm", "fewbit3+msnorm+actnn2", "actnn2",
+                   "llm+checkpoint"),
+           "cnn": ("cnn", "cnn+actnn2", "actnn2", "pooled2", "backrazor90", "cnn+checkpoint")}
 
 
 def preset_policy(costs, name: str) -> policy_mod.Policy:
-    """A preset, or `llm+checkpoint`: llm with every block recomputed."""
-    if name == "llm+checkpoint":
-        return policy_of(checkpoint_rules(costs.blocks), label=name)
+    """A preset, or `base+checkpoint`: the lossless base with every block recomputed."""
+    if name == f"{costs.base}+checkpoint":
+        return policy_of(checkpoint_rules(costs.blocks), costs.base, label=name)
     return policy_mod.load(name)
