@@ -205,7 +205,7 @@ def offer_recipe(y, built) -> None:
     recipe, leaves = built
     recipe.stride, recipe.shape = y.stride(), tuple(y.shape)
     recipe.versions = tuple(t._version for t in leaves)
-    offer(y, None, leaves, recipe)
+    offer(y, None, leaves, recipe, chained=True)
 
 
 def shares_recipes(in_function=False) -> bool:

@@ -34,7 +34,7 @@ class _Offer:
     extras: tuple  # kept as they are (γ and β; a gated MLP's g and u)
     make: object  # make(primary, *extras, dtype=...) -> y
     version: int
-    checkpointed: bool  # made inside a checkpoint (`in_checkpoint`)
+    outside: bool  # a chain's recipe made outside any checkpoint (`in_checkpoint`)
 
 
 def whole(x):
@@ -70,20 +70,22 @@ class Whole:
         return saved[0]
 
 
-def offer(y, primary, extras, make) -> None:
+def offer(y, primary, extras, make, chained=False) -> None:
     """Tell the readers of y = make(primary, *extras, dtype=y.dtype) that they may keep `primary`
     (or a compressed copy of it) and `extras` instead of y: tensors its producer keeps
-    anyway. `make` holds no tensors."""
+    anyway. `make` holds no tensors. `chained`: a chain's recipe (`ops.chains`), which steps
+    aside inside a checkpoint: a reader there takes it only where it was made there too (a
+    recompute under the step's saved-tensor hooks, as estimate and plan run it, does not
+    find the one its block's input carried in the forward, and saves fewer tensors)."""
     if torch.compiler.is_compiling():
         return
-    setattr(y, _OFFER, _Offer(primary, tuple(extras), make, y._version, in_checkpoint()))
+    setattr(y, _OFFER, _Offer(primary, tuple(extras), make, y._version,
+                              chained and not in_checkpoint()))
 
 
 def in_checkpoint() -> bool:
     """Inside torch.utils.checkpoint's forward or its recomputation (non-reentrant, as timm's
-    and transformers' checkpointing run). The recomputation reads the checkpoint's inputs
-    detached, without the offers they carried: a reader inside takes only offers made
-    inside, so both save the same tensors (the checkpoint checks)."""
+    and transformers' checkpointing run)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
         ("_checkpoint_hook.", "_recomputation_hook."))
@@ -113,7 +115,7 @@ def kept_for(x, bits_taken=None, passing_on=False):
         return x, (), None
     base = _covered(x)
     got = getattr(base, _OFFER, None)
-    if got is None or got.version != base._version or got.checkpointed < in_checkpoint():
+    if got is None or got.version != base._version or (got.outside and in_checkpoint()):
         return x, (), None
     bits = getattr(got.make, "bits", None)
     if bits is not None and not passing_on and (
