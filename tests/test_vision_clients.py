@@ -75,10 +75,10 @@ def test_torch_compile_with_fullgraph_takes_the_compressed_model_without_a_break
 
 
 def test_one_block_recomputed_reads_its_input_whole_in_both_passes():
-    """A checkpointed block whose input carries the block before's recipe: the recompute
-    reads the input detached, without it, so inside the checkpoint no reader takes an offer
-    made outside (else the forward saves more than the recompute, and the checkpoint
-    refuses). Under the step's own saved-tensor hooks, as estimate and plan run it."""
+    """A checkpointed block whose input carries the block before's recipe: under the step's
+    own saved-tensor hooks (as estimate and plan run it) the recompute did not find it where
+    the forward took it, saved fewer tensors, and the checkpoint refused. Inside a
+    checkpoint no reader takes a chain's recipe made outside."""
     from actdesign.runtime.memory.steps import step
 
     torch.manual_seed(0)
