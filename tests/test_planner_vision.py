@@ -103,3 +103,17 @@ def test_at_the_joined_presets_peak_the_plan_has_less_error_and_its_real_step_fi
     step(trial, example, "fp32")  # the ops' tables made once
     trial.zero_grad(set_to_none=True)
     assert step(trial, example, "fp32")[1] <= budget
+
+
+def test_a_norm_with_a_zero_scale_is_named_before_planning():
+    """timm's random initialisation zeroes each block's last norm: every gradient before it in
+    the block is zero, and every option's error there with it, so the plan says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(),
+                          nn.Linear(4 * 64, 3)).train()
+    nn.init.zeros_(model[4].weight)
+    said = []
+    planner.plan(model, [torch.randn(2, 3, 8, 8) for _ in range(2)], "1GiB", precision="fp32",
+                 kernels="cpu", progress=said.append, explain=False)
+    assert any("warning: 1 norm(s) have a zero scale (4, ...)" in line for line in said)

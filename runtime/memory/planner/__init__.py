@@ -47,6 +47,7 @@ from actdesign.errors import ActdesignError
 from actdesign.options import parse_budget
 
 from ...models import batches as batch_forms
+from ...ops.known_modules import is_channel_norm
 from .. import cards
 from . import explain as explain_mod
 from .costs import Costs, ShapeStep, ShapeSteps, measure_costs
@@ -100,6 +101,12 @@ def plan(model: nn.Module, batches, budget, *, example_inputs=None, precision="b
         raise ActdesignError("plan needs at least one calibration batch")
     example = batches[0] if example_inputs is None else example_inputs
     clock = Clock(progress)
+    zeroed = [name for name, m in model.named_modules() if is_channel_norm(m)
+              and getattr(m, "weight", None) is not None and not m.weight.any()]
+    if zeroed:  # timm zero-initialises each block's last norm
+        clock.say(f"warning: {len(zeroed)} norm(s) have a zero scale ({zeroed[0]}, ...): every "
+                  "gradient before them in their blocks is zero, and so is the error of every "
+                  "option there; plan on trained weights")
     costs = measure_costs(model, batches, example, precision, card, kernels, calibration,
                           clock)
     if isinstance(limit, float):  # a fraction of the uncompressed model's saved bytes
