@@ -18,7 +18,7 @@ from ...methods import METHODS, option_label
 from ...methods.checkpoint import Checkpoint
 from ...methods.targets import target_of
 from ...ops.draws import probing
-from ...ops.sharing import _OFFER, _covered, kept_for, whole
+from ...ops.sharing import kept_for, whole
 
 LOSSLESS = "llm"  # the lossless base of text models
 # The lossless presets a plan may build on: the one keeping the fewest bytes at the target
@@ -123,9 +123,10 @@ def _chains(model, base, layers: dict, example) -> list[set]:
             parent[n] = n = parent[parent[n]]
         return n
 
-    def join(name, offer):
-        for t in offer.extras if offer is not None and getattr(offer.make, "bits", None) \
-                else ():
+    def join(name, extras, make):
+        if getattr(make, "bits", None) is None:
+            return  # nothing offered, or an exact recipe: no codes to share
+        for t in extras:
             key = storage_key(t)
             if key not in params:
                 parent[find(owner.setdefault(key, name))] = find(name)
@@ -133,14 +134,12 @@ def _chains(model, base, layers: dict, example) -> list[set]:
     def made(name):
         def hook(module, args, out):
             if isinstance(out, torch.Tensor):
-                join(name, getattr(_covered(out), _OFFER, None))
+                join(name, *kept_for(out, passing_on=True)[1:])
         return hook
 
     def read(name):
         def hook(module, args):
-            primary, extras, make = kept_for(args[0], getattr(module, "bits_taken", None))
-            if make is not None:
-                join(name, getattr(_covered(args[0]), _OFFER, None))
+            join(name, *kept_for(args[0], getattr(module, "bits_taken", None))[1:])
         return hook
 
     modules = dict(trial.named_modules())
