@@ -2,9 +2,12 @@
 training step fits a memory budget.
 
 A site is a place a lossy method can act: an activation, or the Linear/Conv layers that read
-one tensor (q, k and v read one normed input: one site, since they share its codes). A block
-(a layer of the model's layer list) is a unit of recomputation. The lossless methods (`llm`:
-MS norms, MS-GLU, RoPE, the fused loss, lean layers) apply wherever they can, at no cost.
+one tensor (q, k and v read one normed input: one site, since they share its codes), or a
+conv net's chain (a batch norm's codes, the ReLU masks after it and the convs rebuilding
+their input from them: one set of codes, one choice of bits). A block (a layer of the model's
+layer list) is a unit of recomputation. A lossless preset applies wherever it can, at no
+cost: of `llm` (MS norms, MS-GLU, RoPE, the fused loss, lean layers) and `cnn` (the
+convolutional chains), the one keeping fewer bytes at the target shape.
 
 Each site's options are priced three ways:
 - bytes: one shape-only step (`estimate`'s fake tensors, at the target shape) per class of
@@ -22,7 +25,9 @@ Each site's options are priced three ways:
   among its sites by what each adds locally: ‖δ‖² of an activation's input gradient, a
   layer's own weight gradient error. Per class, not per kind: a layer's codes reach more
   than its own weight where a norm or a gated MLP shares them (the norm's backward reads
-  them), and how far differs from class to class. Errors of different sites add (unbiased
+  them), and how far differs from class to class. A chain is measured alone: its norm's
+  codes reach every gradient before it, and nothing local tells its share. Errors of
+  different sites add (unbiased
   or independent errors: their cross terms vanish in expectation). An option that saves
   no bytes at the target shape (its input is kept anyway) is not offered, nor measured.
 - time: from the named card's costs (`cards`): measured on the card where the repository
