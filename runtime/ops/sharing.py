@@ -34,7 +34,7 @@ class _Offer:
     extras: tuple  # kept as they are (γ and β; a gated MLP's g and u)
     make: object  # make(primary, *extras, dtype=...) -> y
     version: int
-    outside: bool  # a chain's recipe made outside any checkpoint (`in_checkpoint`)
+    chained: bool  # a chain's recipe: made outside checkpoints only (`chains.shares_recipes`)
 
 
 def whole(x):
@@ -74,13 +74,12 @@ def offer(y, primary, extras, make, chained=False) -> None:
     """Tell the readers of y = make(primary, *extras, dtype=y.dtype) that they may keep `primary`
     (or a compressed copy of it) and `extras` instead of y: tensors its producer keeps
     anyway. `make` holds no tensors. `chained`: a chain's recipe (`ops.chains`), which steps
-    aside inside a checkpoint: a reader there takes it only where it was made there too (a
+    aside inside a checkpoint, and so was made outside it: a reader there does not take it (a
     recompute under the step's saved-tensor hooks, as estimate and plan run it, does not
     find the one its block's input carried in the forward, and saves fewer tensors)."""
     if torch.compiler.is_compiling():
         return
-    setattr(y, _OFFER, _Offer(primary, tuple(extras), make, y._version,
-                              chained and not in_checkpoint()))
+    setattr(y, _OFFER, _Offer(primary, tuple(extras), make, y._version, chained))
 
 
 def in_checkpoint() -> bool:
@@ -115,7 +114,7 @@ def kept_for(x, bits_taken=None, passing_on=False):
         return x, (), None
     base = _covered(x)
     got = getattr(base, _OFFER, None)
-    if got is None or got.version != base._version or (got.outside and in_checkpoint()):
+    if got is None or got.version != base._version or (got.chained and in_checkpoint()):
         return x, (), None
     bits = getattr(got.make, "bits", None)
     if bits is not None and not passing_on and (

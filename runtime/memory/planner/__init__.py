@@ -27,8 +27,8 @@ Each site's options are priced three ways:
   than its own weight where a norm or a gated MLP shares them (the norm's backward reads
   them), and how far differs from class to class. A chain is measured alone: its norm's
   codes reach every gradient before it, and nothing local tells its share. Errors of
-  different sites add (unbiased
-  or independent errors: their cross terms vanish in expectation). An option that saves
+  different sites add (unbiased or independent errors: their cross terms vanish in
+  expectation). An option that saves
   no bytes at the target shape (its input is kept anyway) is not offered, nor measured.
 - time: from the named card's costs (`cards`): measured on the card where the repository
   holds its measurements (a step's FLOPs at the measured step rate, a lossy option its

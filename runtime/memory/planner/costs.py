@@ -46,9 +46,9 @@ def measure_costs(model, batches, example, precision, card, kernels, calibration
     shapes = ShapeSteps(model, example, precision, kernels)
     baseline = shapes.run(policy_mod.load("none"))
     # the lossless base keeping the fewest bytes (the first of a tie)
-    kept = {b: shapes.run(policy_of([], b)).saved.total for b in BASES}
-    base = min(BASES, key=kept.get)
-    lossless = shapes.run(policy_of([], base), flops=True)
+    steps = {b: shapes.run(policy_of([], b), flops=True) for b in BASES}
+    base = min(BASES, key=lambda b: steps[b].saved.total)
+    lossless = steps[base]
     sites = find_sites(model, batches[0], base)
     blocks = blocks_of(model)
     classes: dict[str, list[Site]] = {}

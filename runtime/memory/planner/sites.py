@@ -102,8 +102,7 @@ def find_sites(model, example, base: str = LOSSLESS) -> list[Site]:
         everything = sorted([*names, *(n for n, _ in sources)], key=order.get)
         inside = {next((b for b in blocks if n.startswith(b + ".")), None) for n in everything}
         block = inside.pop() if len(inside) == 1 else None
-        sites.append(Site(_group_name(everything) if sources else _group_name(names), kind,
-                          tuple(names), block, sources))
+        sites.append(Site(_group_name(everything), kind, tuple(names), block, sources))
     sites.sort(key=lambda s: order[s.layers[0]])
     return sites
 
